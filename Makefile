@@ -1,0 +1,37 @@
+# `make demo` and `make test` build .venv on first use and reuse it after.
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch goes in before the project, so the project's torch range is
+# already met and pip pulls no CUDA build. On a GPU machine: make TORCH_SPEC=torch
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.trainstack-installed
+# pip's notes about unreadable local index folders are noise here.
+QUIET_PIP := { grep -v '^WARNING: Location' || true; }
+
+.PHONY: venv demo test lint clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q $(TORCH_SPEC) 2>&1 | $(QUIET_PIP)
+	$(PY) -m pip install -q -e '.[dev]' 2>&1 | $(QUIET_PIP)
+	$(PY) -c 'import torch, ray, deepspeed, mlflow, trainstack' 2>/dev/null
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/trainstack run jobs/configs/demo.yaml --summary-json .cache/demo_summary.json
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check platform jobs tests benchmarks
+	$(VENV)/bin/ruff format --check platform jobs tests benchmarks
+	$(VENV)/bin/mypy platform/trainstack
+
+test: lint
+	$(PY) -m pytest tests
+
+clean:
+	rm -rf $(VENV) .cache

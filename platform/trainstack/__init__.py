@@ -1,0 +1,3 @@
+"""trainstack: distributed training on Ray."""
+
+__version__ = "0.1.0"

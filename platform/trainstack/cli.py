@@ -1,0 +1,102 @@
+"""`trainstack` command line.
+
+trainstack run jobs/configs/demo.yaml --set train.steps=50 --summary-json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from trainstack.config import PROGRESS_MODES, ConfigError, JobConfig, load_config
+from trainstack.runtime.progress import ProgressDisplay, format_summary
+
+
+def _error(message: str, *, code: int) -> int:
+    print(f"trainstack: error: {message}", file=sys.stderr)
+    return code
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, *, config_flag: bool) -> None:
+    """Arguments shared by `trainstack run` and `jobs/train.py`."""
+    if config_flag:
+        parser.add_argument("--config", required=True, help="job spec (YAML)")
+    else:
+        parser.add_argument("config", help="job spec (YAML)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a spec key, e.g. --set scaling.num_workers=4 (repeatable)",
+    )
+    parser.add_argument(
+        "--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS, else local)"
+    )
+    parser.add_argument("--summary-json", default=None, help="write the final summary here")
+    parser.add_argument(
+        "--progress", choices=PROGRESS_MODES, default=None, help="override log.progress"
+    )
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Validate the spec, train on Ray, print and save the summary. Returns the exit code."""
+    try:
+        overrides = list(args.overrides)
+        if args.progress:
+            overrides.append(f"log.progress={args.progress}")
+        cfg = load_config(args.config, overrides)
+    except ConfigError as err:
+        return _error(str(err), code=2)
+    return _train(cfg, address=args.address, summary_json=args.summary_json)
+
+
+def _train(cfg: JobConfig, *, address: str | None, summary_json: str | None) -> int:
+    from trainstack.runtime.launcher import RunFailedError, run_job  # imports Ray: keep it lazy
+
+    display = ProgressDisplay(mode=cfg.log.progress)
+    print(
+        f"trainstack: {cfg.name}: {cfg.model.kind} on {cfg.scaling.num_workers} "
+        f"{'GPU' if cfg.scaling.use_gpu else 'CPU'} worker(s), strategy {cfg.strategy.kind}, "
+        f"{cfg.train.steps} steps",
+        flush=True,
+    )
+    try:
+        summary = run_job(cfg, address=address, display=display)
+    except RunFailedError as err:
+        return _error(str(err), code=1)
+    if cfg.log.progress != "quiet":
+        print("trainstack: summary\n" + format_summary(summary), flush=True)
+    if summary_json:
+        _write_json(Path(summary_json), summary)
+    return 0
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainstack", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="train a job spec on Ray")
+    add_run_arguments(run, config_flag=False)
+    run.set_defaults(handler=run_command)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    code: int = args.handler(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,588 @@
+"""The job spec: typed dataclasses, YAML loading, `--set` overrides, validation.
+
+Every section is a small `kw_only` dataclass whose fields carry their docs. A user
+mistake anywhere (unknown key, wrong type, value out of range, inconsistent batch
+sizes) raises `ConfigError` with one line naming the key, the value and what is
+allowed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, TypeVar, get_args, get_origin, get_type_hints
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A job spec the user must fix; the message is one line."""
+
+
+_Section = TypeVar("_Section")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    kind: str = "gpt"
+    """Model family: `gpt` (decoder-only transformer) or `mlp` (windowed next-token MLP)."""
+    n_layer: int = 2
+    """GPT: transformer blocks. MLP: hidden layers."""
+    n_head: int = 2
+    """GPT: attention heads; must divide `n_embd`."""
+    n_embd: int = 64
+    """Width: GPT embedding size, MLP hidden size."""
+    block_size: int = 64
+    """Sequence length the model is trained on (tokens per sample)."""
+    dropout: float = 0.0
+    """Dropout probability in [0, 1)."""
+    context: int = 4
+    """MLP only: how many previous tokens each prediction sees."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    kind: str = "markov"
+    """Data source: `markov` (synthetic Markov-chain text with an exact entropy floor)."""
+    vocab_size: int = 64
+    """Tokens in the vocabulary (2..65536); the model's vocabulary follows it."""
+    order: int = 1
+    """Markov order: how many previous tokens the next one depends on (1..3)."""
+    concentration: float = 0.1
+    """Dirichlet concentration of each transition row; smaller is more predictable (> 0)."""
+    seed: int = 1234
+    """Seed of the transition matrix and of the sample stream (independent of train.seed)."""
+    eval_samples: int = 256
+    """Held-out samples for the evaluation loss (>= 0; 0 disables evaluation)."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    steps: int = 200
+    """Optimizer steps to run (>= 1)."""
+    global_batch_size: int = 32
+    """Samples per optimizer step over all workers and accumulation micro-steps."""
+    micro_batch_size: int = 8
+    """Samples per forward/backward on one worker."""
+    seed: int = 0
+    """Seed of model initialisation (same on every rank) and dropout."""
+    precision: str = "fp32"
+    """`fp32`, or `bf16` autocast (GPU, or CPU where supported)."""
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    kind: str = "adamw"
+    """`adamw` or `sgd`."""
+    lr: float = 3e-3
+    """Peak learning rate (> 0), before `lr_scaling`."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (>= 0)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas, each in [0, 1)."""
+    momentum: float = 0.9
+    """SGD momentum in [0, 1)."""
+    warmup_steps: int = 10
+    """Linear warm-up steps (>= 0, < train.steps)."""
+    schedule: str = "cosine"
+    """After warm-up: `cosine` (to `min_lr_ratio` × lr), `linear`, or `constant`."""
+    min_lr_ratio: float = 0.1
+    """Floor of the decay as a fraction of the peak lr, in [0, 1]."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (> 0); 0 disables clipping."""
+    lr_scaling: str = "none"
+    """Scale lr with world size: `none`, `linear` (× N) or `sqrt` (× √N)."""
+
+
+@dataclass(kw_only=True)
+class StrategyConfig:
+    kind: str = "ddp"
+    """Parallelism strategy: `ddp`."""
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size in MiB (> 0)."""
+
+
+@dataclass(kw_only=True)
+class ScalingConfig:
+    num_workers: int = 2
+    """Training workers (Ray Train actors), >= 1."""
+    use_gpu: bool = False
+    """One GPU per worker (NCCL) instead of CPU (gloo)."""
+    cpus_per_worker: float = 1.0
+    """CPUs reserved per worker (> 0); also its torch thread count, rounded down, min 1."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    every_steps: int = 0
+    """Save a checkpoint every this many steps (0: only at the end)."""
+    keep: int = 3
+    """Newest checkpoints kept (>= 1)."""
+    storage_path: str = "runs"
+    """Where runs keep checkpoints and results; relative paths are under the working dir."""
+
+
+@dataclass(kw_only=True)
+class FailureConfig:
+    max_failures: int = 0
+    """Worker-group restarts allowed before the run fails (>= 0; -1: unlimited)."""
+
+
+@dataclass(kw_only=True)
+class TrackingConfig:
+    backend: str = "none"
+    """`mlflow` or `none`."""
+    uri: str = ""
+    """MLflow tracking URI; empty means $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db."""
+    experiment: str = "trainstack"
+    """MLflow experiment name."""
+
+
+@dataclass(kw_only=True)
+class LogConfig:
+    every_steps: int = 10
+    """Log metrics every this many steps (>= 1)."""
+    progress: str = "auto"
+    """Console progress: `auto` (bar on a TTY, else lines), `bar`, `lines`, `jsonl` or `quiet`."""
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    name: str = "trainstack-job"
+    """Run name: letters, digits, '-', '_' and '.'; names the run's storage directory."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    failure: FailureConfig = field(default_factory=FailureConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    @property
+    def grad_accum_steps(self) -> int:
+        """Micro-steps per optimizer step on each worker."""
+        per_step = self.train.micro_batch_size * self.scaling.num_workers
+        return self.train.global_batch_size // per_step
+
+
+# ---- allowed values (other modules may extend these) ---------------------------
+
+MODEL_KINDS: tuple[str, ...] = ("gpt", "mlp")
+DATA_KINDS: tuple[str, ...] = ("markov",)
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
+OPTIM_KINDS: tuple[str, ...] = ("adamw", "sgd")
+LR_SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
+LR_SCALINGS: tuple[str, ...] = ("none", "linear", "sqrt")
+STRATEGY_KINDS: tuple[str, ...] = ("ddp",)
+TRACKING_BACKENDS: tuple[str, ...] = ("mlflow", "none")
+PROGRESS_MODES: tuple[str, ...] = ("auto", "bar", "lines", "jsonl", "quiet")
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+NAME_MAX_CHARS = 100
+MAX_BLOCK_SIZE = 8192
+MAX_VOCAB_SIZE = 65536
+MAX_MARKOV_ORDER = 3
+MAX_MARKOV_STATES = 2**20
+MAX_SEED = 2**32 - 1
+
+_TRUE_WORDS = frozenset({"true", "yes", "1"})
+_FALSE_WORDS = frozenset({"false", "no", "0"})
+
+# PyYAML's constructors raise plain exceptions for a bad explicit tag (`!!int x`,
+# `!!bool maybe`, `!!timestamp bad`), and its composer recurses once per nesting level.
+_YAML_CONSTRUCTOR_ERRORS = (ValueError, LookupError, AttributeError, TypeError, RecursionError)
+
+
+# ---- loading and overrides ------------------------------------------------------
+
+
+def load_config(path: str, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """Read a YAML job spec (safe_load), apply `a.b=c` overrides, validate."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigError(f"cannot read job spec {str(path)!r}: {_os_reason(e)}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"cannot read job spec {str(path)!r}: not UTF-8 text") from None
+    try:
+        raw = yaml.safe_load(text)
+    except (yaml.YAMLError, *_YAML_CONSTRUCTOR_ERRORS) as e:
+        raise ConfigError(f"cannot parse job spec {str(path)!r}: {_yaml_problem(e)}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"job spec {str(path)!r}: top level must be a mapping of sections "
+            f"({', '.join(_field_types(JobConfig))}), got {_got(raw)}"
+        )
+    return config_from_dict(apply_overrides(raw, overrides))
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """Return a copy of `raw` with each `a.b=c` override applied (c parsed as YAML).
+
+    Mappings along each dotted path are copied, so `raw` is never mutated; missing or
+    null ones are created. An empty value (`tracking.uri=`) is the empty string.
+    """
+    result = dict(raw)
+    for override in overrides:
+        key, sep, text = override.partition("=")
+        parts = [part.strip() for part in key.split(".")]
+        if not sep or not all(parts):
+            raise ConfigError(f"--set {_show(override)}: expected key.sub=value")
+        value = _parse_override_value(override, text)
+        node = result
+        for depth, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = {}
+            elif not isinstance(child, dict):
+                where = ".".join(parts[: depth + 1])
+                raise ConfigError(
+                    f"--set {_show(override)}: {where!r} is {_show(child)}, not a mapping"
+                )
+            node[part] = node = dict(child)
+        node[parts[-1]] = value
+    return result
+
+
+def _parse_override_value(override: str, text: str) -> object:
+    if not text.strip():
+        return ""
+    try:
+        return yaml.safe_load(text)
+    except (yaml.YAMLError, *_YAML_CONSTRUCTOR_ERRORS) as e:
+        raise ConfigError(
+            f"--set {_show(override)}: value is not valid YAML: {_yaml_problem(e)}"
+        ) from None
+
+
+def _os_reason(e: OSError) -> str:
+    if isinstance(e, FileNotFoundError):
+        return "no such file"
+    if isinstance(e, IsADirectoryError):
+        return "is a directory"
+    if isinstance(e, PermissionError):
+        return "permission denied"
+    return (e.strerror or type(e).__name__).lower()
+
+
+def _yaml_problem(e: BaseException) -> str:
+    """One line from a PyYAML error: where, then what."""
+    if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:
+        mark = e.problem_mark
+        return f"line {mark.line + 1}, column {mark.column + 1}: {e.problem or e.context}"
+    if isinstance(e, RecursionError):
+        return "nested too deeply"
+    lines = str(e).splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
+# ---- dict <-> dataclasses ----------------------------------------------------------
+
+
+def config_from_dict(raw: object) -> JobConfig:
+    """Build and validate a JobConfig from a plain mapping (YAML or JSON shaped).
+
+    Keys must be fields of the section they are in; values are coerced to the field's
+    type (`"4"` -> 4, `"1e-3"` -> 0.001, `"yes"` -> True, `[0.9, 0.99]` -> a tuple).
+    A null section means its defaults.
+    """
+    cfg = _build_section(JobConfig, raw, prefix="")
+    validate(cfg)
+    return cfg
+
+
+def config_to_dict(cfg: JobConfig) -> dict[str, Any]:
+    """Plain nested dict (tuples as lists) that `config_from_dict` turns back into `cfg`."""
+    return _section_to_dict(cfg)
+
+
+def _section_to_dict(section: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in fields(section):
+        value = getattr(section, f.name)
+        if is_dataclass(value):
+            value = _section_to_dict(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[f.name] = value
+    return out
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = get_type_hints(cls)
+    return {f.name: hints[f.name] for f in fields(cls)}
+
+
+def _build_section(cls: type[_Section], raw: object, *, prefix: str) -> _Section:
+    """Build dataclass `cls` from `raw`; `prefix` is the dotted path of `raw` plus '.'."""
+    if raw is None:
+        return cls()
+    types = _field_types(cls)
+    if not isinstance(raw, Mapping):
+        where = prefix.rstrip(".") or "job spec"
+        raise ConfigError(
+            f"{where}: expected a mapping with keys {', '.join(types)}, got {_got(raw)}"
+        )
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in types:
+            raise ConfigError(_unknown_key_message(prefix + str(key), prefix, list(types)))
+        hint = types[key]
+        if isinstance(hint, type) and is_dataclass(hint):
+            kwargs[key] = _build_section(hint, value, prefix=f"{prefix}{key}.")
+        else:
+            kwargs[key] = _coerce(value, hint, key=prefix + key)
+    return cls(**kwargs)
+
+
+def _unknown_key_message(dotted: str, prefix: str, allowed: list[str]) -> str:
+    close = difflib.get_close_matches(dotted, [prefix + name for name in allowed], n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ";"
+    return f"unknown key {dotted!r}{hint} allowed: {', '.join(allowed)}"
+
+
+def _coerce(value: object, hint: Any, *, key: str) -> object:
+    """`value` as the field type `hint`, or a ConfigError naming `key`."""
+    if hint is bool:
+        return _to_bool(value, key=key)
+    if hint is int:
+        return _to_int(value, key=key)
+    if hint is float:
+        return _to_float(value, key=key)
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        hint_text = "; put it in quotes to pass it as text" if _is_scalar(value) else ""
+        raise ConfigError(f"{key}: expected a string, got {_got(value)}{hint_text}")
+    if get_origin(hint) is tuple:
+        return _to_tuple(value, get_args(hint), key=key)
+    raise TypeError(f"{key}: config fields of type {hint!r} are not supported")
+
+
+def _to_bool(value: object, *, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE_WORDS | _FALSE_WORDS:
+        return value.strip().lower() in _TRUE_WORDS
+    raise ConfigError(f"{key}: expected true or false, got {_got(value)}")
+
+
+def _to_int(value: object, *, key: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if number.is_integer():
+            return int(number)
+    raise ConfigError(f"{key}: expected an integer, got {_got(value)}")
+
+
+def _to_float(value: object, *, key: str) -> float:
+    if isinstance(value, float):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:
+            raise ConfigError(f"{key}={_show(value)} is too large for a number") from None
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    raise ConfigError(f"{key}: expected a number, got {_got(value)}")
+
+
+def _to_tuple(value: object, item_hints: tuple[Any, ...], *, key: str) -> tuple[object, ...]:
+    if not isinstance(value, (list, tuple)) or len(value) != len(item_hints):
+        kind = "numbers" if all(h is float for h in item_hints) else "values"
+        raise ConfigError(f"{key}: expected a list of {len(item_hints)} {kind}, got {_got(value)}")
+    return tuple(
+        _coerce(item, hint, key=f"{key}[{i}]")
+        for i, (item, hint) in enumerate(zip(value, item_hints, strict=True))
+    )
+
+
+def _is_scalar(value: object) -> bool:
+    return isinstance(value, (int, float, bool))
+
+
+def _show(value: object) -> str:
+    """A short one-line rendering of a user value for messages."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        text = "a very large integer"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _got(value: object) -> str:
+    return "null" if value is None else f"{_show(value)} ({type(value).__name__})"
+
+
+# ---- validation -----------------------------------------------------------------
+
+
+def validate(cfg: JobConfig) -> None:
+    """Raise ConfigError for out-of-range values and inconsistent combinations."""
+    _validate_name(cfg.name)
+    _validate_model(cfg.model)
+    _validate_data(cfg.data)
+    _validate_train(cfg.train)
+    _validate_optim(cfg.optim)
+    _validate_strategy(cfg.strategy)
+    _validate_scaling(cfg.scaling)
+    _validate_checkpoint(cfg.checkpoint)
+    max_failures = cfg.failure.max_failures
+    _require("failure.max_failures", max_failures >= -1, max_failures, ">= -1 (-1: unlimited)")
+    _check_choice("tracking.backend", cfg.tracking.backend, TRACKING_BACKENDS)
+    _require("log.every_steps", cfg.log.every_steps >= 1, cfg.log.every_steps, ">= 1")
+    _check_choice("log.progress", cfg.log.progress, PROGRESS_MODES)
+    _validate_cross_section(cfg)
+
+
+def _validate_name(name: str) -> None:
+    if len(name) > NAME_MAX_CHARS or not NAME_PATTERN.fullmatch(name):
+        raise ConfigError(
+            f"name={_show(name)} is not a valid run name; allowed: letters, digits, '.', '_' "
+            f"and '-', starting with a letter or digit, at most {NAME_MAX_CHARS} characters"
+        )
+
+
+def _validate_model(m: ModelConfig) -> None:
+    _check_choice("model.kind", m.kind, MODEL_KINDS)
+    _require("model.n_layer", m.n_layer >= 1, m.n_layer, ">= 1")
+    _require("model.n_head", m.n_head >= 1, m.n_head, ">= 1")
+    _require("model.n_embd", m.n_embd >= 1, m.n_embd, ">= 1")
+    _require(
+        "model.block_size",
+        2 <= m.block_size <= MAX_BLOCK_SIZE,
+        m.block_size,
+        f"2 to {MAX_BLOCK_SIZE}",
+    )
+    _require("model.dropout", 0 <= m.dropout < 1, m.dropout, "[0, 1)")
+    _require("model.context", m.context >= 1, m.context, ">= 1")
+    if m.kind == "gpt" and m.n_embd % m.n_head:
+        raise ConfigError(
+            f"model.n_embd={m.n_embd} must be divisible by model.n_head={m.n_head}; "
+            f"allowed: a multiple of {m.n_head}, e.g. {_next_multiple(m.n_embd, m.n_head)}"
+        )
+
+
+def _validate_data(d: DataConfig) -> None:
+    _check_choice("data.kind", d.kind, DATA_KINDS)
+    _require(
+        "data.vocab_size",
+        2 <= d.vocab_size <= MAX_VOCAB_SIZE,
+        d.vocab_size,
+        f"2 to {MAX_VOCAB_SIZE}",
+    )
+    _require("data.order", 1 <= d.order <= MAX_MARKOV_ORDER, d.order, f"1 to {MAX_MARKOV_ORDER}")
+    _require("data.concentration", d.concentration > 0, d.concentration, "> 0")
+    _require("data.seed", 0 <= d.seed <= MAX_SEED, d.seed, f"0 to {MAX_SEED}")
+    _require("data.eval_samples", d.eval_samples >= 0, d.eval_samples, ">= 0")
+    states = d.vocab_size**d.order
+    if states > MAX_MARKOV_STATES:
+        raise ConfigError(
+            f"data.vocab_size={d.vocab_size} with data.order={d.order} gives {states} Markov "
+            f"states (vocab_size**order), more than the {MAX_MARKOV_STATES} (2**20) that fit; "
+            "lower data.vocab_size or data.order"
+        )
+
+
+def _validate_train(t: TrainConfig) -> None:
+    _require("train.steps", t.steps >= 1, t.steps, ">= 1")
+    _require("train.global_batch_size", t.global_batch_size >= 1, t.global_batch_size, ">= 1")
+    _require("train.micro_batch_size", t.micro_batch_size >= 1, t.micro_batch_size, ">= 1")
+    _require("train.seed", 0 <= t.seed <= MAX_SEED, t.seed, f"0 to {MAX_SEED}")
+    _check_choice("train.precision", t.precision, PRECISIONS)
+
+
+def _validate_optim(o: OptimConfig) -> None:
+    _check_choice("optim.kind", o.kind, OPTIM_KINDS)
+    _require("optim.lr", o.lr > 0, o.lr, "> 0")
+    _require("optim.weight_decay", o.weight_decay >= 0, o.weight_decay, ">= 0")
+    for i, beta in enumerate(o.betas):
+        _require(f"optim.betas[{i}]", 0 <= beta < 1, beta, "[0, 1)")
+    _require("optim.momentum", 0 <= o.momentum < 1, o.momentum, "[0, 1)")
+    _require("optim.warmup_steps", o.warmup_steps >= 0, o.warmup_steps, ">= 0")
+    _check_choice("optim.schedule", o.schedule, LR_SCHEDULES)
+    _require("optim.min_lr_ratio", 0 <= o.min_lr_ratio <= 1, o.min_lr_ratio, "[0, 1]")
+    _require("optim.grad_clip", o.grad_clip >= 0, o.grad_clip, ">= 0 (0 disables clipping)")
+    _check_choice("optim.lr_scaling", o.lr_scaling, LR_SCALINGS)
+
+
+def _validate_strategy(s: StrategyConfig) -> None:
+    _check_choice("strategy.kind", s.kind, STRATEGY_KINDS)
+    _require("strategy.bucket_cap_mb", s.bucket_cap_mb > 0, s.bucket_cap_mb, "> 0")
+
+
+def _validate_scaling(s: ScalingConfig) -> None:
+    _require("scaling.num_workers", s.num_workers >= 1, s.num_workers, ">= 1")
+    _require("scaling.cpus_per_worker", s.cpus_per_worker > 0, s.cpus_per_worker, "> 0")
+
+
+def _validate_checkpoint(c: CheckpointConfig) -> None:
+    _require(
+        "checkpoint.every_steps", c.every_steps >= 0, c.every_steps, ">= 0 (0: only at the end)"
+    )
+    _require("checkpoint.keep", c.keep >= 1, c.keep, ">= 1")
+    if not c.storage_path.strip():
+        raise ConfigError(f"checkpoint.storage_path={c.storage_path!r} is empty; allowed: a path")
+
+
+def _validate_cross_section(cfg: JobConfig) -> None:
+    t, o = cfg.train, cfg.optim
+    per_step = t.micro_batch_size * cfg.scaling.num_workers
+    if t.global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by "
+            f"train.micro_batch_size × scaling.num_workers = {t.micro_batch_size} × "
+            f"{cfg.scaling.num_workers} = {per_step}; allowed: a multiple of {per_step}, "
+            f"e.g. {_next_multiple(t.global_batch_size, per_step)}"
+        )
+    if o.warmup_steps >= t.steps:
+        raise ConfigError(
+            f"optim.warmup_steps={o.warmup_steps} must be less than train.steps={t.steps}; "
+            f"allowed: 0 to {t.steps - 1}"
+        )
+
+
+def _require(key: str, ok: bool, value: float, allowed: str) -> None:
+    """Raise unless `ok`; a non-finite float never passes a range check."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}={_show(value)} is not a finite number; allowed: {allowed}")
+    if not ok:
+        raise ConfigError(f"{key}={_show(value)} is out of range; allowed: {allowed}")
+
+
+def _check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value in allowed:
+        return
+    close = difflib.get_close_matches(value, allowed, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ConfigError(f"{key}={_show(value)} is not one of {', '.join(allowed)}{hint}")
+
+
+def _next_multiple(value: int, step: int) -> int:
+    return -(-value // step) * step

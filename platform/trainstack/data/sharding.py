@@ -1,0 +1,112 @@
+"""Deterministic rank sharding of an indexed sample stream, with a resumable cursor.
+
+The global stream is samples 0, 1, 2, ... of a corpus. Optimizer step s takes the
+global batch [g0, g0 + G) with g0 = cursor.samples_seen. With N ranks, micro-batch
+size b and A = G / (b * N) accumulation micro-steps, micro-step a of rank r is
+
+    [g0 + a*N*b + r*b, g0 + a*N*b + (r+1)*b)
+
+so the union over ranks and micro-steps is exactly [g0, g0 + G): the same global
+batch a 1-worker run sees. The cursor counts samples of the global stream, so a run
+resumed with a different number of workers continues without skipping or repeating.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+"""(inputs x[:, :-1], targets x[:, 1:]), both int64 [b, seq_len]."""
+
+
+class Corpus(Protocol):
+    """A token stream whose samples are addressed by a global index."""
+
+    vocab_size: int
+
+    def samples(self, start: int, count: int, seq_len: int) -> torch.Tensor:
+        """Samples start..start+count-1, int64 [count, seq_len + 1]."""
+        ...
+
+    def eval_samples(self, count: int, seq_len: int) -> torch.Tensor:
+        """The first `count` held-out samples, disjoint from every training index."""
+        ...
+
+    def loss_floor(self, seq_len: int) -> float:
+        """The lowest mean cross-entropy a model can reach on seq_len targets."""
+        ...
+
+
+@dataclass(kw_only=True)
+class DataCursor:
+    samples_seen: int = 0
+    """Samples of the global stream consumed so far, all ranks together."""
+
+    def state_dict(self) -> dict[str, int]:
+        return {"samples_seen": self.samples_seen}
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, int]) -> DataCursor:
+        return cls(samples_seen=int(state["samples_seen"]))
+
+
+def _split(x: torch.Tensor) -> Batch:
+    return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+
+@dataclass(kw_only=True)
+class ShardedBatches:
+    """One rank's micro-batches of each optimizer step; advances the shared cursor."""
+
+    corpus: Corpus
+    seq_len: int
+    global_batch_size: int
+    micro_batch_size: int
+    rank: int
+    world_size: int
+    cursor: DataCursor = field(default_factory=DataCursor)
+
+    def __post_init__(self) -> None:
+        per_micro_step = self.micro_batch_size * self.world_size
+        if self.global_batch_size % per_micro_step != 0:
+            raise ValueError(
+                f"global batch {self.global_batch_size} is not a multiple of "
+                f"micro_batch_size * world_size = {per_micro_step}"
+            )
+        assert 0 <= self.rank < self.world_size
+
+    @property
+    def accum_steps(self) -> int:
+        """Micro-steps per optimizer step on this rank."""
+        return self.global_batch_size // (self.micro_batch_size * self.world_size)
+
+    def next_step(self) -> list[Batch]:
+        """This rank's micro-batches for the next optimizer step, in accumulation order."""
+        g0, b, n = self.cursor.samples_seen, self.micro_batch_size, self.world_size
+        batches = []
+        for a in range(self.accum_steps):
+            start = g0 + a * n * b + self.rank * b
+            batches.append(_split(self.corpus.samples(start, b, self.seq_len)))
+        self.cursor.samples_seen += self.global_batch_size
+        return batches
+
+
+def eval_batches(
+    corpus: Corpus, *, count: int, seq_len: int, micro_batch_size: int, rank: int, world_size: int
+) -> list[Batch]:
+    """This rank's share of the first `count` held-out samples, as micro-batches.
+
+    Rank r takes the contiguous slice [r*count//N, (r+1)*count//N); the slices of all
+    ranks cover the set exactly once. Shares differ by at most one sample, the last
+    micro-batch may be short, and a rank with no share gets an empty list: weight
+    each batch's mean loss by its row count when averaging over ranks.
+    """
+    lo, hi = rank * count // world_size, (rank + 1) * count // world_size
+    if hi == lo:
+        return []
+    rows = corpus.eval_samples(hi, seq_len)[lo:]
+    return [_split(chunk) for chunk in rows.split(micro_batch_size)]

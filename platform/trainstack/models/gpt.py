@@ -1,0 +1,130 @@
+"""GPT: a decoder-only transformer in the style of nanoGPT.
+
+Token + learned position embedding, `n_layer` pre-LayerNorm blocks (causal
+self-attention, 4x GELU MLP), a final LayerNorm and an LM head tied to the token
+embedding. The pieces are kept as named attributes (`tok_emb`, `pos_emb`, `blocks`,
+`ln_f`, `lm_head`) so a pipeline split can cut the model into stages: `embed`, a
+slice of `blocks`, then `logits`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainstack.config import ModelConfig
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        assert cfg.n_embd % cfg.n_head == 0, "n_head must divide n_embd"
+        self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
+        # No qkv bias: softmax ignores a key bias, so its true gradient is zero and Adam
+        # would turn round-off noise in it into full-size updates.
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        # (B, T, C) -> (B, n_head, T, head_dim)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        dropout_p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_drop(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer: `forward(idx[B, T]) -> logits[B, T, vocab_size]`."""
+
+    def __init__(self, cfg: ModelConfig, *, vocab_size: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.tok_emb = nn.Embedding(vocab_size, cfg.n_embd)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, vocab_size, bias=False)
+        self.lm_head.weight = self.tok_emb.weight  # tied: one tensor, counted once
+
+        self.apply(_init_weights)
+        # Residual projections: std 0.02 / sqrt(2 * n_layer) (GPT-2 paper).
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token + position embedding (the first pipeline stage): [B, T] -> [B, T, C]."""
+        seq_len = idx.shape[1]
+        assert seq_len <= self.cfg.block_size, f"{seq_len} tokens > block_size"
+        pos = torch.arange(seq_len, device=idx.device)
+        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final LayerNorm and LM head (the last pipeline stage): [B, T, C] -> [B, T, V]."""
+        return self.lm_head(self.ln_f(x))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.logits(x)
+
+    def num_params(self) -> int:
+        """Parameters, each tensor counted once (the tied head is the token embedding)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token, forward + backward (PaLM appendix B, as in nanoGPT).
+
+        `6 * N + 12 * n_layer * n_embd * block_size`, where N is the parameter count
+        without the position embedding (a lookup, no matmul): 6N for the weight matmuls
+        (2 forward, 4 backward) and the second term for attention scores and values.
+        """
+        n = self.num_params() - self.pos_emb.weight.numel()
+        attn = 12 * self.cfg.n_layer * self.cfg.n_embd * self.cfg.block_size
+        return 6 * n + attn
+
+
+def _init_weights(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)

@@ -1,0 +1,55 @@
+"""Optimizer and learning-rate schedule built from the spec's `optim` section."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from trainstack.config import OptimConfig
+
+
+def scaled_lr(cfg: OptimConfig, *, data_parallel_size: int) -> float:
+    """Peak lr after `lr_scaling` with the number of data-parallel replicas."""
+    if cfg.lr_scaling == "linear":
+        return cfg.lr * data_parallel_size
+    if cfg.lr_scaling == "sqrt":
+        return cfg.lr * math.sqrt(data_parallel_size)
+    return cfg.lr
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, *, lr: float) -> torch.optim.Optimizer:
+    """AdamW or SGD; weight decay applies to matrices only (not biases, norms)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    if cfg.kind == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=cfg.betas)
+    assert cfg.kind == "sgd", cfg.kind
+    return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum)
+
+
+def lr_multiplier(step: int, cfg: OptimConfig, *, total_steps: int) -> float:
+    """Multiplier of the peak lr at `step`: linear warm-up, then the chosen decay."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    decay_steps = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    if cfg.schedule == "linear":
+        shape = 1.0 - progress
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, *, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_multiplier(step, cfg, total_steps=total_steps)
+    )

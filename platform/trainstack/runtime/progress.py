@@ -1,0 +1,95 @@
+"""Console progress for the driver: a bar on a terminal, plain lines or JSON lines in logs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, TextIO
+
+
+def _si(value: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.1f}{unit}"
+    return f"{value:.0f}"
+
+
+def _clock(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def _mfu(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+class ProgressDisplay:
+    """Renders rank 0's log records as they arrive on the driver."""
+
+    def __init__(self, *, mode: str, stream: TextIO | None = None) -> None:
+        self.stream = stream or sys.stdout
+        if mode == "auto":
+            mode = "bar" if self.stream.isatty() else "lines"
+        self.mode = mode
+        self._bar_open = False
+
+    def update(self, record: dict[str, Any]) -> None:
+        if self.mode == "quiet":
+            return
+        if self.mode == "jsonl":
+            self.stream.write(json.dumps(record) + "\n")
+            self.stream.flush()
+            return
+        step, total = record["step"], record["steps"]
+        eta = record["elapsed_s"] / step * (total - step)
+        text = (
+            f"step {step}/{total}  loss {record['loss']:.4f}  "
+            f"tok/s {_si(record['tokens_per_s'])}  MFU {_mfu(record['mfu'])}  "
+            f"ETA {_clock(eta)}"
+        )
+        if self.mode == "bar":
+            width = 24
+            filled = round(width * step / total)
+            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}\x1b[K")
+            self._bar_open = True
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self._bar_open:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._bar_open = False
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The run's closing summary as aligned `key: value` lines."""
+    floor = summary.get("entropy_floor")
+    loss = summary["final_loss"]
+    rows = [
+        ("strategy", f"{summary['strategy']} × {summary['world_size']} {summary['device']}"),
+        ("steps", str(summary["steps"])),
+        (
+            "final loss",
+            f"{loss:.4f} (held-out)" if summary.get("eval_loss") is not None else f"{loss:.4f}",
+        ),
+    ]
+    if floor is not None:
+        rows.append(
+            (
+                "entropy floor",
+                f"{floor:.4f}  (final loss is {100 * (loss / floor - 1):+.1f}% above)",
+            )
+        )
+    rows += [
+        ("tokens/s", f"{summary['tokens_per_s']:,.0f}  (steady state)"),
+        ("samples/s", f"{summary['samples_per_s']:,.1f}"),
+        ("MFU", _mfu(summary["mfu"])),
+        ("peak memory", f"{summary['peak_mem_bytes'] / 2**20:,.0f} MiB per worker"),
+        ("wall time", f"{summary['wall_s']:.1f} s  (training {summary['train_s']:.1f} s)"),
+    ]
+    if summary.get("run_dir"):
+        rows.append(("run dir", summary["run_dir"]))
+    width = max(len(key) for key, _ in rows)
+    return "\n".join(f"  {key:<{width}}  {value}" for key, value in rows)

@@ -1,0 +1,122 @@
+"""Data parallelism with torch DistributedDataParallel (gloo on CPU, NCCL on GPU).
+
+Gradient accumulation skips the all-reduce (`no_sync`) on every micro-batch but the
+last, so one optimizer step costs one all-reduce of the gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from trainstack.config import JobConfig
+from trainstack.runtime.optim import build_optimizer, build_scheduler, scaled_lr
+from trainstack.strategies.base import (
+    Batch,
+    StepOutput,
+    WorkerContext,
+    next_token_loss,
+    ring_allreduce_bytes,
+)
+
+
+class DDPStrategy:
+    name = "ddp"
+
+    def __init__(self, cfg: JobConfig, ctx: WorkerContext) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.model: nn.Module = nn.Identity()
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+
+    def setup(self, model: nn.Module) -> None:
+        model.to(self.ctx.device)
+        if self.ctx.is_distributed:
+            device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
+            model = DistributedDataParallel(
+                model, device_ids=device_ids, bucket_cap_mb=self.cfg.strategy.bucket_cap_mb
+            )
+        self.model = model
+        lr = scaled_lr(self.cfg.optim, data_parallel_size=self.ctx.world_size)
+        self.optimizer = build_optimizer(self.unwrapped_model(), self.cfg.optim, lr=lr)
+        self.scheduler = build_scheduler(
+            self.optimizer, self.cfg.optim, total_steps=self.cfg.train.steps
+        )
+
+    def unwrapped_model(self) -> nn.Module:
+        if isinstance(self.model, DistributedDataParallel):
+            return self.model.module
+        return self.model
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.cfg.train.precision == "bf16":
+            return torch.autocast(self.ctx.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def train_step(self, micro_batches: list[Batch]) -> StepOutput:
+        assert self.optimizer is not None and self.scheduler is not None, "setup() first"
+        accum = len(micro_batches)
+        total = torch.zeros((), device=self.ctx.device)
+        for i, (x, y) in enumerate(micro_batches):
+            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+            last = i == accum - 1
+            skip_sync = isinstance(self.model, DistributedDataParallel) and not last
+            with self.model.no_sync() if skip_sync else contextlib.nullcontext():  # type: ignore[operator]
+                with self._autocast():
+                    loss = next_token_loss(self.model(x), y)
+                (loss / accum).backward()
+            total += loss.detach()
+        max_norm = self.cfg.optim.grad_clip or float("inf")
+        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        lr = float(self.scheduler.get_last_lr()[0])
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepOutput(loss=total / accum, grad_norm=float(grad_norm), lr=lr)
+
+    @torch.no_grad()
+    def eval_loss(self, batches: list[Batch]) -> tuple[float, int]:
+        model = self.unwrapped_model()
+        model.eval()
+        sums = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
+        for x, y in batches:
+            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+            with self._autocast():
+                loss = next_token_loss(model(x), y)
+            sums[0] += loss.double() * y.numel()
+            sums[1] += y.numel()
+        model.train()
+        if self.ctx.is_distributed:
+            dist.all_reduce(sums)
+        return float(sums[0]), int(sums[1])
+
+    def global_mean(self, value: torch.Tensor) -> float:
+        value = value.detach().to(self.ctx.device, torch.float64).clone()
+        if self.ctx.is_distributed:
+            dist.all_reduce(value)
+        return float(value) / self.ctx.world_size
+
+    def comm_bytes_per_step(self) -> int:
+        params = [p for p in self.unwrapped_model().parameters() if p.requires_grad]
+        numel = sum(p.numel() for p in params)
+        return ring_allreduce_bytes(numel, element_size=4, world_size=self.ctx.world_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        assert self.optimizer is not None and self.scheduler is not None, "setup() first"
+        return {
+            "model": self.unwrapped_model().state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        assert self.optimizer is not None and self.scheduler is not None, "setup() first"
+        self.unwrapped_model().load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])

@@ -1,0 +1,50 @@
+"""DDP's math: N gloo processes train exactly what one process trains on the same global batch."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainstack.config import config_from_dict
+from trainstack.runtime.local import run_processes
+
+
+def tiny_spec(*, workers: int, micro_batch: int, steps: int = 10) -> dict:
+    return {
+        "name": "ddp-equivalence",
+        "model": {"kind": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16},
+        "data": {"vocab_size": 16, "order": 1, "eval_samples": 32},
+        "train": {"steps": steps, "global_batch_size": 16, "micro_batch_size": micro_batch},
+        "optim": {"lr": 1e-2, "warmup_steps": 2, "grad_clip": 1.0, "weight_decay": 0.1},
+        "scaling": {"num_workers": workers},
+        "log": {"every_steps": 5},
+    }
+
+
+def train_weights(tmp_path: Path, *, workers: int, micro_batch: int) -> dict[str, torch.Tensor]:
+    out = tmp_path / f"w{workers}b{micro_batch}"
+    cfg = config_from_dict(tiny_spec(workers=workers, micro_batch=micro_batch))
+    run_processes(cfg, world_size=workers, out_dir=out)
+    return torch.load(out / "model.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("micro_batch", [4, 8])
+def test_two_workers_match_one_worker_with_twice_the_micro_batch(
+    tmp_path: Path, micro_batch: int
+) -> None:
+    reference = train_weights(tmp_path, workers=1, micro_batch=2 * micro_batch)
+    ddp = train_weights(tmp_path, workers=2, micro_batch=micro_batch)
+    initial = _initial_weights()
+    assert reference.keys() == ddp.keys()
+    for name, ref in reference.items():
+        assert torch.allclose(ddp[name], ref, atol=1e-5, rtol=0), name
+    moved = max((reference[n] - initial[n]).abs().max().item() for n in reference)
+    assert moved > 1e-2, "training did not change the weights: the comparison proves nothing"
+
+
+def _initial_weights() -> dict[str, torch.Tensor]:
+    from trainstack.models import build_model
+
+    cfg = config_from_dict(tiny_spec(workers=1, micro_batch=8))
+    model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.train.seed)
+    return model.state_dict()

@@ -1,0 +1,88 @@
+"""`trainstack run` and `jobs/train.py` as a user runs them."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from user_shell import BIN, ROOT, run
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        [str(BIN / "trainstack"), "run"],
+        [str(BIN / "python"), "jobs/train.py", "--config"],
+    ],
+)
+def test_bad_spec_exits_2_with_one_line_and_no_traceback(
+    command: list[str], bad_spec: Path
+) -> None:
+    proc = run([*command, str(bad_spec)], timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("trainstack: error: unknown key 'optim.lrr'")
+    assert "did you mean 'optim.lr'" in lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_bad_override_exits_2(tmp_path: Path) -> None:
+    proc = run(
+        [
+            str(BIN / "trainstack"),
+            "run",
+            "jobs/configs/demo.yaml",
+            "--set",
+            "train.global_batch_size=30",
+        ],
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("trainstack: error: train.global_batch_size=30")
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_missing_spec_file_exits_2(tmp_path: Path) -> None:
+    proc = run([str(BIN / "trainstack"), "run", str(tmp_path / "nope.yaml")], timeout=120)
+    assert proc.returncode == 2
+    assert "nope.yaml" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_trainstack_run_writes_summary_json(tmp_path: Path) -> None:
+    summary_path = tmp_path / "summary.json"
+    proc = run(
+        [
+            str(BIN / "trainstack"),
+            "run",
+            "jobs/configs/demo.yaml",
+            "--set",
+            "train.steps=20",
+            "--set",
+            f"checkpoint.storage_path={tmp_path / 'runs'}",
+            "--summary-json",
+            str(summary_path),
+            "--progress",
+            "lines",
+        ],
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(summary_path.read_text())
+    for key in (
+        "final_loss",
+        "entropy_floor",
+        "steps",
+        "tokens_per_s",
+        "samples_per_s",
+        "mfu",
+        "world_size",
+        "strategy",
+        "wall_s",
+    ):
+        assert key in summary, key
+    assert summary["steps"] == 20 and summary["world_size"] == 2 and summary["strategy"] == "ddp"
+    assert summary["mfu"] is None and summary["tokens_per_s"] > 0
+    assert "step 20/20" in proc.stdout and "entropy floor" in proc.stdout
+    assert (ROOT / "jobs/configs/demo.yaml").exists()

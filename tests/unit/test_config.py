@@ -1,0 +1,271 @@
+"""The job spec: YAML loading, `--set` overrides, coercion and one-line errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainstack.config import (
+    ConfigError,
+    JobConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+    apply_overrides,
+    config_from_dict,
+    config_to_dict,
+    load_config,
+    validate,
+)
+
+FULL_SPEC = """\
+name: full-spec.v1
+model: {kind: mlp, n_layer: 3, n_head: 4, n_embd: 96, block_size: 128, dropout: 0.1, context: 8}
+data: {kind: markov, vocab_size: 128, order: 2, concentration: 0.5, seed: 7, eval_samples: 0}
+train: {steps: 50, global_batch_size: 48, micro_batch_size: 4, seed: 3, precision: bf16}
+optim:
+  kind: sgd
+  lr: 1.0e-2
+  weight_decay: 0.01
+  betas: [0.8, 0.99]
+  momentum: 0.5
+  warmup_steps: 5
+  schedule: linear
+  min_lr_ratio: 0.0
+  grad_clip: 0.0
+  lr_scaling: sqrt
+strategy: {kind: ddp, bucket_cap_mb: 10}
+scaling: {num_workers: 3, use_gpu: true, cpus_per_worker: 2}
+checkpoint: {every_steps: 10, keep: 1, storage_path: /tmp/runs}
+failure: {max_failures: -1}
+tracking: {backend: mlflow, uri: "sqlite:///x.db", experiment: exp}
+log: {every_steps: 5, progress: jsonl}
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "job.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def error_of(raw: object) -> str:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(raw)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_defaults_build_and_validate() -> None:
+    cfg = config_from_dict({})
+    assert cfg == JobConfig()
+    assert config_from_dict(None) == JobConfig()
+    validate(JobConfig())
+
+
+def test_null_section_means_defaults() -> None:
+    assert config_from_dict({"model": None, "optim": {"lr": 0.01}}).model == ModelConfig()
+
+
+def test_full_yaml_file_loads_every_field_and_round_trips(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, FULL_SPEC))
+    assert cfg.name == "full-spec.v1"
+    assert cfg.model == ModelConfig(
+        kind="mlp", n_layer=3, n_head=4, n_embd=96, block_size=128, dropout=0.1, context=8
+    )
+    assert cfg.train == TrainConfig(
+        steps=50, global_batch_size=48, micro_batch_size=4, seed=3, precision="bf16"
+    )
+    assert cfg.optim.lr == 0.01 and cfg.optim.betas == (0.8, 0.99)
+    assert cfg.strategy.bucket_cap_mb == 10.0 and isinstance(cfg.strategy.bucket_cap_mb, float)
+    assert cfg.scaling.use_gpu is True and cfg.scaling.cpus_per_worker == 2.0
+    assert (cfg.failure.max_failures, cfg.tracking.backend, cfg.log.progress) == (
+        -1,
+        "mlflow",
+        "jsonl",
+    )
+    dumped = write(tmp_path, yaml.safe_dump(config_to_dict(cfg)), name="dumped.yaml")
+    assert load_config(dumped) == cfg
+
+
+def test_overrides_coerce_values(tmp_path: Path) -> None:
+    overrides = [
+        "train.steps=5",
+        "optim.lr=1e-3",
+        "optim.betas=[0.9, 0.99]",
+        "scaling.use_gpu=true",
+        "tracking.uri=",
+        "optim.warmup_steps=0",
+    ]
+    cfg = load_config(write(tmp_path, "name: x\n"), overrides)
+    assert cfg.train.steps == 5
+    assert cfg.optim.lr == 0.001 and isinstance(cfg.optim.lr, float)
+    assert cfg.optim.betas == (0.9, 0.99)
+    assert cfg.scaling.use_gpu is True
+    assert cfg.tracking.uri == ""
+
+
+def test_apply_overrides_creates_mappings_and_leaves_input_alone() -> None:
+    raw = {"train": {"steps": 10}, "model": None}
+    out = apply_overrides(raw, ["train.seed=3", "model.kind=mlp", "log.progress=bar"])
+    assert out == {
+        "train": {"steps": 10, "seed": 3},
+        "model": {"kind": "mlp"},
+        "log": {"progress": "bar"},
+    }
+    assert raw == {"train": {"steps": 10}, "model": None}
+
+
+@pytest.mark.parametrize("override", ["foo", "=3", "train.=3", "a..b=1", " =1"])
+def test_malformed_override_is_rejected(override: str) -> None:
+    with pytest.raises(ConfigError, match=r"^--set .*: expected key\.sub=value$"):
+        apply_overrides({}, [override])
+
+
+def test_override_with_bad_yaml_value_names_the_override() -> None:
+    with pytest.raises(ConfigError, match=r"^--set 'optim\.betas=\[0\.9': value is not valid YAML"):
+        apply_overrides({}, ["optim.betas=[0.9"])
+
+
+def test_override_through_a_scalar_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="'model' is 3, not a mapping"):
+        apply_overrides({"model": 3}, ["model.kind=gpt"])
+
+
+def test_unknown_key_suggests_nearest() -> None:
+    message = error_of({"optim": {"lrr": 0.1}})
+    assert message.startswith("unknown key 'optim.lrr'; did you mean 'optim.lr'?")
+    assert "allowed: kind, lr, weight_decay" in message
+    assert "did you mean 'model'" in error_of({"modle": {}})
+    assert "did you mean" not in error_of({"train": {"zzzzzz": 1}})
+
+
+def test_wrong_type_names_key_value_and_type() -> None:
+    assert error_of({"train": {"steps": "abc"}}) == (
+        "train.steps: expected an integer, got 'abc' (str)"
+    )
+    assert error_of({"train": {"steps": True}}).startswith("train.steps: expected an integer")
+    assert error_of({"train": {"steps": 2.5}}).startswith("train.steps: expected an integer")
+    assert error_of({"optim": {"betas": [0.9]}}).startswith(
+        "optim.betas: expected a list of 2 numbers"
+    )
+    assert error_of({"optim": {"betas": [0.9, "x"]}}).startswith(
+        "optim.betas[1]: expected a number"
+    )
+    assert error_of({"scaling": {"use_gpu": "maybe"}}).startswith(
+        "scaling.use_gpu: expected true or false"
+    )
+    assert error_of({"name": 123}).startswith("name: expected a string, got 123 (int)")
+
+
+def test_section_that_is_not_a_mapping_is_rejected() -> None:
+    assert error_of({"model": 3}).startswith("model: expected a mapping with keys kind, n_layer")
+    assert error_of([1, 2]).startswith("job spec: expected a mapping")
+
+
+def test_lenient_scalar_coercion() -> None:
+    cfg = config_from_dict(
+        {
+            "train": {"steps": "4", "global_batch_size": 32.0},
+            "optim": {"lr": "1e-3", "warmup_steps": 0, "weight_decay": 1},
+            "scaling": {"use_gpu": "Yes", "cpus_per_worker": "2"},
+        }
+    )
+    assert (cfg.train.steps, cfg.train.global_batch_size) == (4, 32)
+    assert isinstance(cfg.train.global_batch_size, int)
+    assert (cfg.optim.lr, cfg.optim.weight_decay) == (0.001, 1.0)
+    assert isinstance(cfg.optim.weight_decay, float)
+    assert cfg.scaling.use_gpu is True and cfg.scaling.cpus_per_worker == 2.0
+    assert config_from_dict({"scaling": {"use_gpu": "0"}}).scaling.use_gpu is False
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ({"train": {"steps": 0}}, "train.steps=0 is out of range; allowed: >= 1"),
+        ({"model": {"dropout": 1.0}}, "model.dropout=1.0 is out of range; allowed: [0, 1)"),
+        ({"optim": {"lr": -1}}, "optim.lr=-1.0 is out of range; allowed: > 0"),
+        ({"optim": {"lr": "nan"}}, "optim.lr=nan is not a finite number; allowed: > 0"),
+        ({"strategy": {"bucket_cap_mb": ".inf"}}, "strategy.bucket_cap_mb: expected a number"),
+        ({"strategy": {"bucket_cap_mb": float("inf")}}, "strategy.bucket_cap_mb=inf is not a"),
+        ({"optim": {"betas": [0.9, 1.0]}}, "optim.betas[1]=1.0 is out of range; allowed: [0, 1)"),
+        ({"data": {"vocab_size": 1}}, "data.vocab_size=1 is out of range; allowed: 2 to 65536"),
+        ({"model": {"block_size": 9000}}, "model.block_size=9000 is out of range"),
+        ({"failure": {"max_failures": -2}}, "failure.max_failures=-2 is out of range"),
+        ({"name": "my job"}, "name='my job' is not a valid run name"),
+        ({"name": "a" * 101}, "name='aaaa"),
+        ({"checkpoint": {"storage_path": ""}}, "checkpoint.storage_path='' is empty"),
+        (
+            {"strategy": {"kind": "dpp"}},
+            "strategy.kind='dpp' is not one of ddp; did you mean 'ddp'?",
+        ),
+        ({"log": {"progress": "bars"}}, "log.progress='bars' is not one of auto, bar, lines"),
+        ({"optim": {"warmup_steps": 200}}, "optim.warmup_steps=200 must be less than train.steps"),
+    ],
+)
+def test_out_of_range_value_is_rejected(raw: dict[str, object], expected: str) -> None:
+    assert error_of(raw).startswith(expected)
+
+
+def test_batch_divisibility_message_shows_the_arithmetic() -> None:
+    message = error_of({"train": {"global_batch_size": 30, "micro_batch_size": 8}})
+    assert message == (
+        "train.global_batch_size=30 is not divisible by train.micro_batch_size × "
+        "scaling.num_workers = 8 × 2 = 16; allowed: a multiple of 16, e.g. 32"
+    )
+
+
+def test_cross_field_model_and_data_rules() -> None:
+    assert error_of({"model": {"n_embd": 65}}).startswith(
+        "model.n_embd=65 must be divisible by model.n_head=2"
+    )
+    assert config_from_dict({"model": {"kind": "mlp", "n_embd": 65}}).model.n_embd == 65
+    message = error_of({"data": {"vocab_size": 2048, "order": 2}})
+    assert "4194304 Markov states" in message and "1048576" in message
+
+
+def test_bad_yaml_file_names_path_and_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "train:\n  steps: [1\nmodel: {}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(f"cannot parse job spec {path!r}: line ")
+    assert "\n" not in str(info.value)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = str(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match=r"^cannot read job spec .*nope\.yaml': no such file$"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"is a directory$"):
+        load_config(str(tmp_path))
+
+
+def test_non_mapping_top_level(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="top level must be a mapping of sections"):
+        load_config(write(tmp_path, "- train\n- model\n"))
+    assert load_config(write(tmp_path, "", name="empty.yaml")) == JobConfig()
+
+
+def test_dict_round_trip_is_exact() -> None:
+    cfg = dataclasses.replace(
+        JobConfig(name="rt"),
+        optim=OptimConfig(lr=0.02, betas=(0.5, 0.75), warmup_steps=0, schedule="constant"),
+        train=TrainConfig(steps=3, global_batch_size=64, micro_batch_size=16),
+    )
+    raw = config_to_dict(cfg)
+    assert raw["optim"]["betas"] == [0.5, 0.75]
+    assert config_from_dict(raw) == cfg
+    assert config_to_dict(config_from_dict(raw)) == raw
+
+
+def test_grad_accum_steps() -> None:
+    cfg = config_from_dict(
+        {"train": {"global_batch_size": 96, "micro_batch_size": 4}, "scaling": {"num_workers": 3}}
+    )
+    assert cfg.grad_accum_steps == 8
+    assert JobConfig().grad_accum_steps == 2
