@@ -60,6 +60,8 @@ def test_trainstack_run_writes_summary_json(tmp_path: Path) -> None:
             "--set",
             "train.steps=20",
             "--set",
+            "optim.warmup_steps=5",
+            "--set",
             f"checkpoint.storage_path={tmp_path / 'runs'}",
             "--summary-json",
             str(summary_path),

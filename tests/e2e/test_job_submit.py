@@ -1,6 +1,7 @@
 """`ray job submit` of jobs/train.py against a `ray start --head` cluster on 127.0.0.1."""
 
 import json
+import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,13 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def head_node() -> Iterator[str]:
+def auth() -> dict[str, str]:
+    """Token authentication, as a secured cluster runs: every command carries the token."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+
+
+@pytest.fixture
+def head_node(auth: dict[str, str]) -> Iterator[str]:
     """A one-node Ray cluster on loopback; yields the job API address. Stopped by `ray stop`."""
     gcs_port, dashboard_port = free_port(), free_port()
     started = run(
@@ -31,16 +38,19 @@ def head_node() -> Iterator[str]:
             "--disable-usage-stats",
         ],
         timeout=180,
+        **auth,
     )
     assert started.returncode == 0, started.stderr[-3000:]
     try:
         yield f"http://127.0.0.1:{dashboard_port}"
     finally:
-        stopped = run([str(BIN / "ray"), "stop"], timeout=120)
+        stopped = run([str(BIN / "ray"), "stop"], timeout=120, **auth)
         assert stopped.returncode == 0, stopped.stderr[-2000:]
 
 
-def test_job_submit_trains_demo_on_head_node(head_node: str, tmp_path: Path) -> None:
+def test_job_submit_trains_demo_on_head_node(
+    head_node: str, auth: dict[str, str], tmp_path: Path
+) -> None:
     summary_path = tmp_path / "summary.json"
     for _ in range(30):  # the job API comes up a moment after `ray start` returns
         if (
@@ -73,6 +83,7 @@ def test_job_submit_trains_demo_on_head_node(head_node: str, tmp_path: Path) -> 
             "lines",
         ],
         timeout=420,
+        **auth,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "succeeded" in proc.stdout

@@ -8,6 +8,7 @@ which travel through a small Ray queue actor while `fit()` runs.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 import threading
@@ -47,6 +48,7 @@ def connect(address: str | None) -> bool:
 
 def _train_worker(loop_config: dict[str, Any]) -> None:
     """Body of each Ray Train worker actor."""
+    logging.getLogger("ray.train").setLevel(logging.WARNING)  # no per-report INFO lines
     cfg = config_from_dict(loop_config["spec"])
     context = ray.train.get_context()
     ctx = WorkerContext(
