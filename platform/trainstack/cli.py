@@ -39,6 +39,12 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, config_flag: bool) -> 
     )
     parser.add_argument("--summary-json", default=None, help="write the final summary here")
     parser.add_argument(
+        "--resume-from",
+        default=None,
+        help="start from this checkpoint (or a run directory's newest valid one) when the "
+        "run has no checkpoint of its own yet",
+    )
+    parser.add_argument(
         "--progress", choices=PROGRESS_MODES, default=None, help="override log.progress"
     )
 
@@ -52,10 +58,16 @@ def run_command(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, overrides)
     except ConfigError as err:
         return _error(str(err), code=2)
-    return _train(cfg, address=args.address, summary_json=args.summary_json)
+    resume_from = Path(args.resume_from).expanduser().resolve() if args.resume_from else None
+    return _train(
+        cfg, address=args.address, summary_json=args.summary_json, resume_from=resume_from
+    )
 
 
-def _train(cfg: JobConfig, *, address: str | None, summary_json: str | None) -> int:
+def _train(
+    cfg: JobConfig, *, address: str | None, summary_json: str | None, resume_from: Path | None
+) -> int:
+    from trainstack.checkpoint import CheckpointError
     from trainstack.runtime.launcher import RunFailedError, run_job  # imports Ray: keep it lazy
 
     display = ProgressDisplay(mode=cfg.log.progress)
@@ -66,9 +78,17 @@ def _train(cfg: JobConfig, *, address: str | None, summary_json: str | None) -> 
         flush=True,
     )
     try:
-        summary = run_job(cfg, address=address, display=display)
+        summary = run_job(cfg, address=address, display=display, resume_from=resume_from)
+    except CheckpointError as err:
+        return _error(str(err), code=2)
     except RunFailedError as err:
         return _error(str(err), code=1)
+    if summary.get("already_complete"):
+        print(
+            f"trainstack: run '{cfg.name}' already finished ({summary['run_dir']}); "
+            "pass another --set name=... to train again",
+            flush=True,
+        )
     if cfg.log.progress != "quiet":
         print("trainstack: summary\n" + format_summary(summary), flush=True)
     if summary_json:

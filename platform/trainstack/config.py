@@ -123,12 +123,28 @@ class CheckpointConfig:
     """Newest checkpoints kept (>= 1)."""
     storage_path: str = "runs"
     """Where runs keep checkpoints and results; relative paths are under the working dir."""
+    on_corrupt: str = "fail"
+    """When checkpoints exist but none verifies: `fail` (stop with an error) or `restart`."""
 
 
 @dataclass(kw_only=True)
 class FailureConfig:
     max_failures: int = 0
     """Worker-group restarts allowed before the run fails (>= 0; -1: unlimited)."""
+
+
+@dataclass(kw_only=True)
+class FaultsConfig:
+    """For testing recovery only, off by default: workers killed on purpose."""
+
+    kill_at_steps: tuple[int, ...] = ()
+    """Steps (1-based) just before which a worker process dies, each at most once per run."""
+    random_kills: int = 0
+    """Further kills at steps drawn from `seed`, in [2, train.steps]."""
+    rank: int = -1
+    """Rank that dies; -1 draws one per kill from `seed`."""
+    seed: int = 0
+    """Seed of the random kill steps and ranks."""
 
 
 @dataclass(kw_only=True)
@@ -161,6 +177,7 @@ class JobConfig:
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     failure: FailureConfig = field(default_factory=FailureConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
@@ -181,6 +198,7 @@ LR_SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
 LR_SCALINGS: tuple[str, ...] = ("none", "linear", "sqrt")
 STRATEGY_KINDS: tuple[str, ...] = ("ddp",)
 TRACKING_BACKENDS: tuple[str, ...] = ("mlflow", "none")
+CORRUPT_CHECKPOINT_ACTIONS: tuple[str, ...] = ("fail", "restart")
 PROGRESS_MODES: tuple[str, ...] = ("auto", "bar", "lines", "jsonl", "quiet")
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -414,6 +432,12 @@ def _to_float(value: object, *, key: str) -> float:
 
 
 def _to_tuple(value: object, item_hints: tuple[Any, ...], *, key: str) -> tuple[object, ...]:
+    if len(item_hints) == 2 and item_hints[1] is Ellipsis:  # tuple[T, ...]: any length
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {_got(value)}")
+        return tuple(
+            _coerce(item, item_hints[0], key=f"{key}[{i}]") for i, item in enumerate(value)
+        )
     if not isinstance(value, (list, tuple)) or len(value) != len(item_hints):
         kind = "numbers" if all(h is float for h in item_hints) else "values"
         raise ConfigError(f"{key}: expected a list of {len(item_hints)} {kind}, got {_got(value)}")
@@ -453,6 +477,7 @@ def validate(cfg: JobConfig) -> None:
     _validate_strategy(cfg.strategy)
     _validate_scaling(cfg.scaling)
     _validate_checkpoint(cfg.checkpoint)
+    _validate_faults(cfg)
     max_failures = cfg.failure.max_failures
     _require("failure.max_failures", max_failures >= -1, max_failures, ">= -1 (-1: unlimited)")
     _check_choice("tracking.backend", cfg.tracking.backend, TRACKING_BACKENDS)
@@ -549,6 +574,18 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
     _require("checkpoint.keep", c.keep >= 1, c.keep, ">= 1")
     if not c.storage_path.strip():
         raise ConfigError(f"checkpoint.storage_path={c.storage_path!r} is empty; allowed: a path")
+    _check_choice("checkpoint.on_corrupt", c.on_corrupt, CORRUPT_CHECKPOINT_ACTIONS)
+
+
+def _validate_faults(cfg: JobConfig) -> None:
+    f, steps, workers = cfg.faults, cfg.train.steps, cfg.scaling.num_workers
+    for i, step in enumerate(f.kill_at_steps):
+        _require(f"faults.kill_at_steps[{i}]", 1 <= step <= steps, step, f"1 to {steps}")
+    _require(
+        "faults.random_kills", 0 <= f.random_kills < steps, f.random_kills, f"0 to {steps - 1}"
+    )
+    _require("faults.rank", -1 <= f.rank < workers, f.rank, f"-1 (random) to {workers - 1}")
+    _require("faults.seed", 0 <= f.seed <= MAX_SEED, f.seed, f"0 to {MAX_SEED}")
 
 
 def _validate_cross_section(cfg: JobConfig) -> None:

@@ -9,7 +9,7 @@ from trainstack.config import config_from_dict
 from trainstack.runtime.local import run_processes
 
 
-def tiny_spec(*, workers: int, micro_batch: int, steps: int = 10) -> dict:
+def tiny_spec(*, workers: int, micro_batch: int, steps: int = 10, storage: Path) -> dict:
     return {
         "name": "ddp-equivalence",
         "model": {"kind": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16},
@@ -18,12 +18,13 @@ def tiny_spec(*, workers: int, micro_batch: int, steps: int = 10) -> dict:
         "optim": {"lr": 1e-2, "warmup_steps": 2, "grad_clip": 1.0, "weight_decay": 0.1},
         "scaling": {"num_workers": workers},
         "log": {"every_steps": 5},
+        "checkpoint": {"storage_path": str(storage)},
     }
 
 
 def train_weights(tmp_path: Path, *, workers: int, micro_batch: int) -> dict[str, torch.Tensor]:
     out = tmp_path / f"w{workers}b{micro_batch}"
-    cfg = config_from_dict(tiny_spec(workers=workers, micro_batch=micro_batch))
+    cfg = config_from_dict(tiny_spec(workers=workers, micro_batch=micro_batch, storage=out))
     run_processes(cfg, world_size=workers, out_dir=out)
     return torch.load(out / "model.pt", weights_only=True)
 
@@ -34,7 +35,7 @@ def test_two_workers_match_one_worker_with_twice_the_micro_batch(
 ) -> None:
     reference = train_weights(tmp_path, workers=1, micro_batch=2 * micro_batch)
     ddp = train_weights(tmp_path, workers=2, micro_batch=micro_batch)
-    initial = _initial_weights()
+    initial = _initial_weights(tmp_path)
     assert reference.keys() == ddp.keys()
     for name, ref in reference.items():
         assert torch.allclose(ddp[name], ref, atol=1e-5, rtol=0), name
@@ -42,9 +43,9 @@ def test_two_workers_match_one_worker_with_twice_the_micro_batch(
     assert moved > 1e-2, "training did not change the weights: the comparison proves nothing"
 
 
-def _initial_weights() -> dict[str, torch.Tensor]:
+def _initial_weights(tmp_path: Path) -> dict[str, torch.Tensor]:
     from trainstack.models import build_model
 
-    cfg = config_from_dict(tiny_spec(workers=1, micro_batch=8))
+    cfg = config_from_dict(tiny_spec(workers=1, micro_batch=8, storage=tmp_path))
     model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.train.seed)
     return model.state_dict()

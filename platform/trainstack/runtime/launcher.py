@@ -1,8 +1,11 @@
 """Runs a synchronous-strategy job on a Ray Train V2 worker group.
 
-The driver connects to Ray (an address, else an embedded local instance), starts a
-`TorchTrainer` with one actor per worker, and renders rank 0's progress records,
-which travel through a small Ray queue actor while `fit()` runs.
+The driver connects to Ray (an address, else an embedded local instance), picks the
+checkpoint to start from, starts a `TorchTrainer` with one actor per worker, and
+follows the run through a small Ray queue actor: rank 0's log records and the run's
+events (group starts, injected faults, failures the controller saw). The driver
+renders progress, talks to MLflow and counts restarts; it lives across worker-group
+restarts, so one job is one MLflow run however often its workers die.
 """
 
 from __future__ import annotations
@@ -10,23 +13,24 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ray
 import ray.train
 import ray.train.torch
-import torch
 from ray.train.torch import TorchTrainer
 from ray.util.queue import Empty, Queue
 
+from trainstack import checkpoint as ckpt
 from trainstack.config import JobConfig, config_from_dict, config_to_dict
 from trainstack.runtime.loop import train
 from trainstack.runtime.progress import ProgressDisplay
 from trainstack.strategies import WorkerContext
+from trainstack.tracking import Tracker, start_tracking
 
 
 class RunFailedError(RuntimeError):
@@ -46,6 +50,32 @@ def connect(address: str | None) -> bool:
     return True
 
 
+class RayCheckpointStore:
+    """Each rank hands its staged files to Ray Train, which merges them in storage."""
+
+    def commit(self, staging: Path, *, name: str, metrics: dict[str, Any]) -> None:
+        ray.train.report(
+            metrics,
+            checkpoint=ray.train.Checkpoint.from_directory(str(staging)),
+            checkpoint_dir_name=name,
+        )
+
+
+class FailureWatch(ray.train.UserCallback):
+    """Runs in the Train controller: tells the driver when it saw workers fail."""
+
+    def __init__(self, events: Queue) -> None:
+        self.events = events
+
+    def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+        rank, error = next(iter(sorted(worker_exceptions.items())))
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[-1]
+        with contextlib.suppress(Exception):
+            self.events.put_nowait(
+                {"event": "failure", "rank": rank, "error": first_line[:300], "time": time.time()}
+            )
+
+
 def _train_worker(loop_config: dict[str, Any]) -> None:
     """Body of each Ray Train worker actor."""
     logging.getLogger("ray.train").setLevel(logging.WARNING)  # no per-report INFO lines
@@ -57,37 +87,112 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
         local_rank=context.get_local_rank(),
         device=ray.train.torch.get_device(),
     )
-    progress: Queue = loop_config["progress"]
+    events: Queue = loop_config["events"]
 
-    def on_log(record: dict[str, Any]) -> None:
+    def on_event(record: dict[str, Any]) -> None:
         with contextlib.suppress(Exception):  # progress is best-effort; training goes on
-            progress.put_nowait(record)
+            events.put_nowait(record)
 
-    outcome = train(cfg, ctx, on_log=on_log)
-    # Ray Train V2 hands the driver only metrics that come with a checkpoint, so rank 0
-    # attaches the final weights; every rank must call report(): it is a barrier.
-    with tempfile.TemporaryDirectory(prefix="trainstack-final-") as tmp:
-        checkpoint = None
-        if ctx.rank == 0:
-            torch.save(outcome.strategy.unwrapped_model().state_dict(), Path(tmp) / "model.pt")
-            checkpoint = ray.train.Checkpoint.from_directory(tmp)
-        ray.train.report(outcome.summary, checkpoint=checkpoint, checkpoint_dir_name="final")
+    resume_from = loop_config["resume_from"]
+    train(
+        cfg,
+        ctx,
+        run_dir=Path(loop_config["run_dir"]),
+        store=RayCheckpointStore(),
+        resume_from=Path(resume_from) if resume_from else None,
+        on_event=on_event,
+    )
+
+
+@dataclass(kw_only=True)
+class RunFollower:
+    """What the driver learns from the event queue while the run goes on."""
+
+    display: ProgressDisplay | None
+    tracker: Tracker
+    starts: list[dict[str, Any]] = field(default_factory=list)
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    last_step: int = 0
+
+    def handle(self, record: dict[str, Any]) -> None:
+        event = record.get("event")
+        if event is None:
+            self.last_step = record["step"]
+            self.tracker.log_metrics({**record, "restarts": self.restarts}, step=record["step"])
+            if self.display is not None:
+                self.display.update({**record, "restarts": self.restarts})
+        elif event == "start":
+            self.starts.append(record)
+            if self.restarts and self.display is not None:
+                self.display.note(
+                    f"worker group restarted ({self.restarts}), resuming from step "
+                    f"{record['resumed_from_step']}"
+                )
+        elif event == "fault":
+            self.faults.append(record)
+        elif event == "failure":
+            self.failures.append({**record, "after_step": self.last_step})
+            if self.display is not None:
+                self.display.note(f"worker {record['rank']} failed: {record['error']}")
+
+    @property
+    def restarts(self) -> int:
+        return max(0, len(self.starts) - 1)
+
+    def recovery(self) -> list[dict[str, Any]]:
+        """Per restart: the step it resumed from and the steps of work it lost."""
+        out = []
+        for i, start in enumerate(self.starts[1:]):
+            failed_at = self.faults[i]["step"] - 1 if i < len(self.faults) else None
+            resumed = start["resumed_from_step"]
+            out.append(
+                {
+                    "resumed_from_step": resumed,
+                    "failed_after_step": failed_at,
+                    "steps_lost": None if failed_at is None else failed_at - resumed,
+                }
+            )
+        return out
 
 
 def run_job(
-    cfg: JobConfig, *, address: str | None = None, display: ProgressDisplay | None = None
+    cfg: JobConfig,
+    *,
+    address: str | None = None,
+    display: ProgressDisplay | None = None,
+    resume_from: Path | None = None,
 ) -> dict[str, Any]:
-    """Train `cfg` on a Ray worker group; return the summary. Raises RunFailedError."""
+    """Train `cfg` on a Ray worker group; return the summary.
+
+    Raises CheckpointError before anything starts when the checkpoints to resume from
+    do not verify, and RunFailedError when the worker group fails for good.
+    """
     wall_start = time.perf_counter()
+    run_dir = ckpt.run_dir_for(cfg)
+    start = ckpt.find_start(run_dir, resume_from=resume_from, on_corrupt=cfg.checkpoint.on_corrupt)
+    if start is not None and start.step >= cfg.train.steps:
+        summary = dict(start.manifest["metrics"])
+        summary.update(
+            already_complete=True, run_dir=str(run_dir), final_checkpoint=str(start.path)
+        )
+        return summary
+
     started_local = connect(address)
-    storage = Path(cfg.checkpoint.storage_path).expanduser().resolve()
-    progress = Queue(actor_options={"num_cpus": 0})
+    tracker = start_tracking(cfg, run_dir=run_dir)
+    follower = RunFollower(display=display, tracker=tracker)
+    events = Queue(actor_options={"num_cpus": 0})
     resources: dict[str, float] = {"CPU": cfg.scaling.cpus_per_worker}
     if cfg.scaling.use_gpu:
         resources["GPU"] = 1
     trainer = TorchTrainer(
         train_loop_per_worker=_train_worker,
-        train_loop_config={"spec": config_to_dict(cfg), "progress": progress},
+        train_loop_config={
+            "spec": config_to_dict(cfg),
+            "events": events,
+            "run_dir": str(run_dir),
+            "resume_from": str(resume_from) if resume_from else None,
+        },
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.scaling.num_workers,
             use_gpu=cfg.scaling.use_gpu,
@@ -95,8 +200,9 @@ def run_job(
         ),
         run_config=ray.train.RunConfig(
             name=cfg.name,
-            storage_path=str(storage),
+            storage_path=str(run_dir.parent),
             failure_config=ray.train.FailureConfig(max_failures=cfg.failure.max_failures),
+            callbacks=[FailureWatch(events)],  # type: ignore[list-item]
         ),
     )
     outcome: dict[str, Any] = {}
@@ -111,36 +217,52 @@ def run_job(
     fitting.start()
     try:
         while fitting.is_alive():
-            _drain(progress, display, timeout=0.5)
-        _drain(progress, display, timeout=0)
+            _drain(events, follower, timeout=0.5)
+        _drain(events, follower, timeout=0)
     finally:
         if display is not None:
             display.close()
-        ray.kill(progress.actor)  # type: ignore[arg-type]
+        ray.kill(events.actor)  # type: ignore[arg-type]
         if started_local:
             ray.shutdown()
 
-    if "error" in outcome:
-        raise RunFailedError(f"training failed: {outcome['error']}") from outcome["error"]
+    error = outcome.get("error") or outcome["result"].error
+    if error is not None:
+        tracker.finish({"failures": len(follower.failures)}, failed=True)
+        raise RunFailedError(_failure_summary(follower, error))
     result = outcome["result"]
-    if result.error is not None:
-        raise RunFailedError(f"training failed: {result.error}")
     summary = dict(result.metrics or {})
-    summary["wall_s"] = time.perf_counter() - wall_start
-    summary["run_dir"] = str(storage / cfg.name)
-    summary["final_checkpoint"] = result.checkpoint.path if result.checkpoint else None
+    summary.update(
+        wall_s=time.perf_counter() - wall_start,
+        run_dir=str(run_dir),
+        final_checkpoint=result.checkpoint.path if result.checkpoint else None,
+        restarts=follower.restarts,
+        recovery=follower.recovery(),
+        mlflow_run_id=tracker.run_id,
+        tracking_error=tracker.error,
+    )
+    tracker.finish(summary, failed=False)
     return summary
 
 
-def _drain(queue: Queue, display: ProgressDisplay | None, *, timeout: float) -> None:
-    """Show every record waiting in the queue (waiting up to `timeout` for the first)."""
+def _failure_summary(follower: RunFollower, error: BaseException) -> str:
+    failures = follower.failures
+    steps = ", ".join(str(f["after_step"]) for f in failures) or "?"
+    last = failures[-1]["error"] if failures else str(error).strip().splitlines()[-1]
+    return (
+        f"training failed after {len(failures)} worker failure(s) "
+        f"(last logged steps before each: {steps}); last error: {last}"
+    )
+
+
+def _drain(queue: Queue, follower: RunFollower, *, timeout: float) -> None:
+    """Handle every record waiting in the queue (waiting up to `timeout` for the first)."""
     try:
         record = queue.get(timeout=timeout) if timeout else queue.get_nowait()
     except Empty:
         return
     while True:
-        if display is not None:
-            display.update(record)
+        follower.handle(record)
         try:
             record = queue.get_nowait()
         except Empty:

@@ -1,13 +1,16 @@
 """Runs the training loop in N local processes over gloo, without Ray.
 
 This is the `tests/dist/` layer's harness: it shows a strategy's math with real
-collectives and none of Ray's start-up cost. Rank 0 saves the final model weights
-and the summary into `out_dir`.
+collectives and none of Ray's start-up cost. Checkpoints go to `storage/name` as
+under Ray; rank 0 also leaves the final weights, the summary and the run's events in
+`out_dir` (`model.pt`, `summary.json`, `events.jsonl`).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
 from pathlib import Path
 from typing import Any
@@ -16,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from trainstack import checkpoint as ckpt
 from trainstack.config import JobConfig, config_from_dict, config_to_dict
 from trainstack.runtime.loop import train
 from trainstack.strategies import WorkerContext
@@ -27,34 +31,84 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_processes(cfg: JobConfig, *, world_size: int, out_dir: Path) -> dict[str, Any]:
+class DirectoryCheckpointStore:
+    """Ranks copy their staged files into `.partial-<name>`; rank 0 renames it into place."""
+
+    def __init__(self, run_dir: Path, *, rank: int, distributed: bool) -> None:
+        self.run_dir = run_dir
+        self.rank = rank
+        self.distributed = distributed
+
+    def commit(self, staging: Path, *, name: str, metrics: dict[str, Any]) -> None:
+        partial = self.run_dir / f".partial-{name}"
+        shutil.copytree(staging, partial, dirs_exist_ok=True)
+        if self.distributed:
+            dist.barrier()
+        if self.rank == 0:
+            final = self.run_dir / name
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(partial, final)
+        if self.distributed:
+            dist.barrier()
+
+
+def run_processes(
+    cfg: JobConfig, *, world_size: int, out_dir: Path, resume_from: Path | None = None
+) -> dict[str, Any]:
     """Train `cfg` on `world_size` CPU processes; return rank 0's summary.
 
-    The final weights are in `out_dir / "model.pt"` (a plain state dict).
+    Raises if a process dies (e.g. an injected fault); running it again resumes.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    spec = config_to_dict(cfg)
-    if world_size == 1:
-        _worker(0, spec, 1, 0, str(out_dir))
+    ckpt.find_start(
+        ckpt.run_dir_for(cfg), resume_from=resume_from, on_corrupt=cfg.checkpoint.on_corrupt
+    )
+    args = (config_to_dict(cfg), world_size, free_port(), str(out_dir), resume_from)
+    if world_size == 1 and not cfg.faults.kill_at_steps and not cfg.faults.random_kills:
+        _worker(0, *args)  # in-process: no start-up cost for single-process references
     else:
-        mp.spawn(_worker, args=(spec, world_size, free_port(), str(out_dir)), nprocs=world_size)
+        mp.spawn(_worker, args=args, nprocs=world_size)
     summary: dict[str, Any] = json.loads((out_dir / "summary.json").read_text())
     return summary
 
 
-def _worker(rank: int, spec: dict[str, Any], world_size: int, port: int, out_dir: str) -> None:
-    if world_size > 1:
+def _worker(
+    rank: int,
+    spec: dict[str, Any],
+    world_size: int,
+    port: int,
+    out_dir: str,
+    resume_from: Path | None,
+) -> None:
+    distributed = world_size > 1
+    if distributed:
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
         )
     try:
-        ctx = WorkerContext(
-            rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu")
+        cfg = config_from_dict(spec)
+        out = Path(out_dir)
+        run_dir = ckpt.run_dir_for(cfg)
+        run_dir.mkdir(parents=True, exist_ok=True)
+
+        def on_event(record: dict[str, Any]) -> None:
+            with (out / "events.jsonl").open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+        outcome = train(
+            cfg,
+            WorkerContext(
+                rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu")
+            ),
+            run_dir=run_dir,
+            store=DirectoryCheckpointStore(run_dir, rank=rank, distributed=distributed),
+            resume_from=resume_from,
+            on_event=on_event,
         )
-        outcome = train(config_from_dict(spec), ctx)
         if rank == 0:
-            torch.save(outcome.strategy.unwrapped_model().state_dict(), Path(out_dir) / "model.pt")
-            (Path(out_dir) / "summary.json").write_text(json.dumps(outcome.summary))
+            torch.save(outcome.strategy.unwrapped_model().state_dict(), out / "model.pt")
+            (out / "summary.json").write_text(json.dumps(outcome.summary))
     finally:
-        if world_size > 1:
+        if distributed:
             dist.destroy_process_group()

@@ -7,21 +7,33 @@ strategy, step, log on log steps, evaluate on held-out data, summarise.
 from __future__ import annotations
 
 import math
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
-from trainstack.config import JobConfig
+from trainstack import checkpoint as ckpt
+from trainstack.config import JobConfig, config_to_dict
 from trainstack.data import build_corpus
 from trainstack.data.sharding import DataCursor, ShardedBatches, eval_batches
 from trainstack.metrics import ThroughputMeter, device_peak_flops, mfu, peak_memory_bytes
 from trainstack.models import build_model
+from trainstack.runtime.faults import FaultInjector
 from trainstack.strategies import Strategy, WorkerContext, build_strategy
 
 LogFn = Callable[[dict[str, Any]], None]
+
+
+class CheckpointStore(Protocol):
+    """Where a rank's staged checkpoint files go: Ray Train's storage, or a local directory."""
+
+    def commit(self, staging: Path, *, name: str, metrics: dict[str, Any]) -> None:
+        """Make this rank's files in `staging` part of checkpoint `name`. A collective."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,21 +49,35 @@ def torch_threads(cfg: JobConfig) -> int:
     return max(1, math.floor(cfg.scaling.cpus_per_worker))
 
 
-def train(cfg: JobConfig, ctx: WorkerContext, *, on_log: LogFn | None = None) -> TrainOutcome:
-    """Run the job on this worker; return its summary and the trained strategy.
+def train(
+    cfg: JobConfig,
+    ctx: WorkerContext,
+    *,
+    run_dir: Path,
+    store: CheckpointStore,
+    resume_from: Path | None = None,
+    on_event: LogFn | None = None,
+) -> TrainOutcome:
+    """Run the job on this worker, resuming from the newest valid checkpoint in `run_dir`
+    (else `resume_from`, else from scratch); return its summary and trained strategy.
 
-    `on_log` is called on rank 0 at every log step with that step's metrics.
+    `on_event` gets rank 0's log records and run events (start, first step, injected
+    faults) as dicts; records have a "step", events an "event" key.
     """
+    emit = on_event or (lambda record: None)
     torch.set_num_threads(torch_threads(cfg))
     corpus = build_corpus(cfg.data)
     seq_len = cfg.model.block_size
     model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.train.seed)
     flops_per_token = model.flops_per_token()
     num_params = model.num_params()
-    torch.manual_seed(cfg.train.seed + 1 + ctx.rank)  # dropout differs per rank, repeatably
 
     strategy = build_strategy(cfg, ctx)
     strategy.setup(model)
+    restored = _restore(cfg, ctx, strategy, run_dir=run_dir, resume_from=resume_from)
+    start_step = restored.step if restored else 0
+    if ctx.rank == 0:
+        emit({"event": "start", "resumed_from_step": start_step, "time": time.time()})
     batches = ShardedBatches(
         corpus=corpus,
         seq_len=seq_len,
@@ -59,13 +85,14 @@ def train(cfg: JobConfig, ctx: WorkerContext, *, on_log: LogFn | None = None) ->
         micro_batch_size=cfg.train.micro_batch_size,
         rank=ctx.rank,
         world_size=ctx.world_size,
-        cursor=DataCursor(),
+        cursor=DataCursor(samples_seen=restored.samples_seen if restored else 0),
     )
     meter = ThroughputMeter(
         tokens_per_step=cfg.train.global_batch_size * seq_len,
         samples_per_step=cfg.train.global_batch_size,
     )
     peak_flops = device_peak_flops(ctx.device)
+    faults = FaultInjector(cfg, rank=ctx.rank, marker_dir=run_dir / "faults", on_fire=emit)
 
     def achieved_mfu(tokens_per_s: float) -> float | None:
         return mfu(
@@ -75,31 +102,54 @@ def train(cfg: JobConfig, ctx: WorkerContext, *, on_log: LogFn | None = None) ->
             world_size=ctx.world_size,
         )
 
+    def save(step: int, metrics: dict[str, Any]) -> None:
+        _save_checkpoint(
+            cfg,
+            ctx,
+            strategy,
+            run_dir=run_dir,
+            store=store,
+            step=step,
+            samples_seen=batches.cursor.samples_seen,
+            metrics=metrics,
+        )
+
+    if restored is not None and start_step >= cfg.train.steps:
+        summary = dict(restored.manifest["metrics"])  # the run had finished: report it again
+        save(start_step, summary)
+        return TrainOutcome(summary=summary, strategy=strategy)
+
     run_start = time.perf_counter()
     train_loss = math.nan
-    for step in range(cfg.train.steps):
+    record: dict[str, Any] = {}
+    for step in range(start_step, cfg.train.steps):
+        faults.before_step(step + 1)
         step_start = time.perf_counter()
         out = strategy.train_step(batches.next_step())
         meter.record(time.perf_counter() - step_start)
 
         done = step + 1
+        if done == start_step + 1 and ctx.rank == 0:
+            emit({"event": "first_step", "step": done, "time": time.time()})
         if done % cfg.log.every_steps == 0 or done == cfg.train.steps:
             train_loss = strategy.global_mean(out.loss)  # a collective: every rank calls it
-            if ctx.rank == 0 and on_log is not None:
-                window = meter.window()
-                on_log(
-                    {
-                        "step": done,
-                        "steps": cfg.train.steps,
-                        "loss": train_loss,
-                        "lr": out.lr,
-                        "grad_norm": out.grad_norm,
-                        **window,
-                        "mfu": achieved_mfu(window["tokens_per_s"]),
-                        "peak_mem_bytes": peak_memory_bytes(ctx.device),
-                        "elapsed_s": time.perf_counter() - run_start,
-                    }
-                )
+            window = meter.window()
+            record = {
+                "step": done,
+                "steps": cfg.train.steps,
+                "loss": train_loss,
+                "lr": out.lr,
+                "grad_norm": out.grad_norm,
+                **window,
+                "mfu": achieved_mfu(window["tokens_per_s"]),
+                "peak_mem_bytes": peak_memory_bytes(ctx.device),
+                "elapsed_s": time.perf_counter() - run_start,
+            }
+            if ctx.rank == 0:
+                emit(record)
+        every = cfg.checkpoint.every_steps
+        if every and done % every == 0 and done < cfg.train.steps:
+            save(done, record or {"step": done})
     train_s = time.perf_counter() - run_start
 
     eval_loss = None
@@ -122,6 +172,7 @@ def train(cfg: JobConfig, ctx: WorkerContext, *, on_log: LogFn | None = None) ->
         "eval_loss": eval_loss,
         "entropy_floor": corpus.loss_floor(seq_len),
         "steps": cfg.train.steps,
+        "resumed_from_step": start_step,
         "tokens_per_s": steady["tokens_per_s"],
         "samples_per_s": steady["samples_per_s"],
         "step_time_s": steady["step_time_s"],
@@ -136,4 +187,77 @@ def train(cfg: JobConfig, ctx: WorkerContext, *, on_log: LogFn | None = None) ->
         "peak_mem_bytes": peak_memory_bytes(ctx.device),
         "train_s": train_s,
     }
+    save(cfg.train.steps, summary)
     return TrainOutcome(summary=summary, strategy=strategy)
+
+
+def _rng_file(rank: int) -> str:
+    return f"rng/rank_{rank:05d}.pt"
+
+
+def _save_checkpoint(
+    cfg: JobConfig,
+    ctx: WorkerContext,
+    strategy: Strategy,
+    *,
+    run_dir: Path,
+    store: CheckpointStore,
+    step: int,
+    samples_seen: int,
+    metrics: dict[str, Any],
+) -> None:
+    """Every rank stages its files; rank 0 adds the manifest listing all of them."""
+    with tempfile.TemporaryDirectory(prefix="trainstack-ckpt-") as tmp:
+        staging = Path(tmp)
+        files = {**strategy.checkpoint_files(), _rng_file(ctx.rank): ckpt.rng_state()}
+        entries = ckpt.gather_entries(ckpt.write_rank_files(staging, files))
+        if ctx.rank == 0:
+            spec = config_to_dict(cfg)
+            manifest = ckpt.build_manifest(
+                step=step,
+                samples_seen=samples_seen,
+                tokens_seen=samples_seen * cfg.model.block_size,
+                spec=spec,
+                strategy=strategy.name,
+                world_size=ctx.world_size,
+                files=entries,
+                metrics=metrics,
+            )
+            ckpt.write_manifest(staging, manifest)
+        store.commit(staging, name=ckpt.dir_name(step), metrics=metrics)
+    if ctx.rank == 0:
+        ckpt.prune(run_dir, keep=cfg.checkpoint.keep)
+
+
+def _restore(
+    cfg: JobConfig,
+    ctx: WorkerContext,
+    strategy: Strategy,
+    *,
+    run_dir: Path,
+    resume_from: Path | None,
+) -> ckpt.Checkpoint | None:
+    """Load the newest valid checkpoint of this run (else `resume_from`) into the strategy.
+
+    Rank 0 chooses and verifies; the others follow its choice.
+    """
+    choice: list[str | None] = [None]
+    if ctx.rank == 0:
+        found = ckpt.find_start(
+            run_dir, resume_from=resume_from, on_corrupt=cfg.checkpoint.on_corrupt
+        )
+        choice[0] = str(found.path) if found else None
+    if ctx.is_distributed:
+        dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        torch.manual_seed(cfg.train.seed + 1 + ctx.rank)  # dropout differs per rank, repeatably
+        return None
+    restored = ckpt.read(Path(choice[0]))
+    strategy.load_checkpoint(restored)
+    rng = _rng_file(ctx.rank)
+    same_layout = restored.manifest["world"]["world_size"] == ctx.world_size
+    if same_layout and restored.has(rng):
+        ckpt.set_rng_state(restored.load(rng))
+    else:
+        torch.manual_seed(cfg.train.seed + 1 + ctx.rank + 1_000_003 * restored.step)
+    return restored

@@ -47,6 +47,8 @@ class ProgressDisplay:
             f"tok/s {_si(record['tokens_per_s'])}  MFU {_mfu(record['mfu'])}  "
             f"ETA {_clock(eta)}"
         )
+        if record.get("restarts"):
+            text += f"  restarts {record['restarts']}"
         if self.mode == "bar":
             width = 24
             filled = round(width * step / total)
@@ -54,6 +56,14 @@ class ProgressDisplay:
             self._bar_open = True
         else:
             self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def note(self, message: str) -> None:
+        """A one-off line (a restart, a failure) between progress updates."""
+        if self.mode in ("quiet", "jsonl"):
+            return
+        self.close()
+        self.stream.write(f"trainstack: {message}\n")
         self.stream.flush()
 
     def close(self) -> None:
@@ -87,9 +97,19 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("samples/s", f"{summary['samples_per_s']:,.1f}"),
         ("MFU", _mfu(summary["mfu"])),
         ("peak memory", f"{summary['peak_mem_bytes'] / 2**20:,.0f} MiB per worker"),
-        ("wall time", f"{summary['wall_s']:.1f} s  (training {summary['train_s']:.1f} s)"),
+        ("wall time", f"{summary.get('wall_s', 0):.1f} s  (training {summary['train_s']:.1f} s)"),
     ]
+    if summary.get("restarts"):
+        lost = [r["steps_lost"] for r in summary.get("recovery", []) if r["steps_lost"] is not None]
+        detail = f" (steps lost per restart: {', '.join(map(str, lost))})" if lost else ""
+        rows.append(("restarts", f"{summary['restarts']}{detail}"))
     if summary.get("run_dir"):
         rows.append(("run dir", summary["run_dir"]))
+    if summary.get("final_checkpoint"):
+        rows.append(("checkpoint", summary["final_checkpoint"]))
+    if summary.get("mlflow_run_id"):
+        rows.append(("mlflow run", summary["mlflow_run_id"]))
+    if summary.get("tracking_error"):
+        rows.append(("tracking", f"FAILED: {summary['tracking_error']}"))
     width = max(len(key) for key, _ in rows)
     return "\n".join(f"  {key:<{width}}  {value}" for key, value in rows)

@@ -13,6 +13,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from trainstack.checkpoint import Checkpoint
+
 Batch = tuple[torch.Tensor, torch.Tensor]
 """One micro-batch: inputs [B, T] and next-token targets [B, T]."""
 
@@ -66,11 +68,15 @@ class Strategy(Protocol):
     def unwrapped_model(self) -> nn.Module:
         """The bare model, for saving portable weights."""
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume this rank exactly (model, optimizer, schedule)."""
+    def checkpoint_files(self) -> dict[str, Any]:
+        """Files this rank adds to a checkpoint: name -> torch-saveable object.
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned."""
+        Some rank must write `model.pt`, the full weights, so that any strategy and
+        world size can load the checkpoint.
+        """
+
+    def load_checkpoint(self, checkpoint: Checkpoint) -> list[str]:
+        """Restore from a verified checkpoint; return notes on what could not be restored."""
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

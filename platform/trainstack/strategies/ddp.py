@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from trainstack.checkpoint import Checkpoint
 from trainstack.config import JobConfig
 from trainstack.runtime.optim import build_optimizer, build_scheduler, scaled_lr
 from trainstack.strategies.base import (
@@ -107,16 +108,24 @@ class DDPStrategy:
         numel = sum(p.numel() for p in params)
         return ring_allreduce_bytes(numel, element_size=4, world_size=self.ctx.world_size)
 
-    def state_dict(self) -> dict[str, Any]:
+    def checkpoint_files(self) -> dict[str, Any]:
+        """Replicas are identical, so rank 0 writes everything."""
         assert self.optimizer is not None and self.scheduler is not None, "setup() first"
+        if self.ctx.rank != 0:
+            return {}
         return {
-            "model": self.unwrapped_model().state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
+            "model.pt": self.unwrapped_model().state_dict(),
+            "optimizer.pt": self.optimizer.state_dict(),
+            "scheduler.pt": self.scheduler.state_dict(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_checkpoint(self, checkpoint: Checkpoint) -> list[str]:
         assert self.optimizer is not None and self.scheduler is not None, "setup() first"
-        self.unwrapped_model().load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.unwrapped_model().load_state_dict(checkpoint.load("model.pt"))
+        same_kind = checkpoint.manifest.get("strategy") == self.name
+        if not (same_kind and checkpoint.has("optimizer.pt") and checkpoint.has("scheduler.pt")):
+            source = checkpoint.manifest.get("strategy")
+            return [f"optimizer state re-initialised (the checkpoint is from {source})"]
+        self.optimizer.load_state_dict(checkpoint.load("optimizer.pt"))
+        self.scheduler.load_state_dict(checkpoint.load("scheduler.pt"))
+        return []

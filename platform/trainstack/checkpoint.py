@@ -1,0 +1,286 @@
+"""The on-disk checkpoint format: one directory per checkpoint, verified before use.
+
+    checkpoint_00000120/
+      manifest.json        step, samples seen, spec and its hash, strategy, world layout,
+                           library versions, metrics, and sha256 + size of every file
+      model.pt             portable full model weights (any strategy or world size loads them)
+      optimizer.pt ...     strategy state, as the strategy lays it out
+      rng/rank_00000.pt    RNG states (python, numpy, torch) of each rank
+
+Every file is written to a temporary name and renamed; the manifest goes last and is
+the proof that a checkpoint is complete. Loading verifies every file's size and hash
+first and uses `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import trainstack
+from trainstack.config import JobConfig
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+_DIR_PATTERN = re.compile(r"^checkpoint_(\d{8})$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used; the message is one line naming the file."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Checkpoint:
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    @property
+    def samples_seen(self) -> int:
+        return int(self.manifest["samples_seen"])
+
+    def load(self, name: str) -> Any:
+        """A verified file of this checkpoint, loaded with weights_only=True."""
+        return torch.load(self.path / name, map_location="cpu", weights_only=True)
+
+    def has(self, name: str) -> bool:
+        return name in self.manifest["files"]
+
+
+def run_dir_for(cfg: JobConfig) -> Path:
+    """A run's directory: its checkpoints, fault markers and tracking record."""
+    return Path(cfg.checkpoint.storage_path).expanduser().resolve() / cfg.name
+
+
+def dir_name(step: int) -> str:
+    return f"checkpoint_{step:08d}"
+
+
+def spec_hash(spec: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _atomic_torch_save(obj: Any, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def write_rank_files(directory: Path, files: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Save this rank's files into `directory`; return their manifest entries."""
+    entries = {}
+    for name, obj in files.items():
+        path = directory / name
+        _atomic_torch_save(obj, path)
+        entries[name] = {"sha256": _sha256(path), "size": path.stat().st_size}
+    return entries
+
+
+def gather_entries(entries: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every rank's manifest entries, merged (a collective when distributed)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return dict(entries)
+    gathered: list[dict[str, dict[str, Any]] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, entries)
+    merged: dict[str, dict[str, Any]] = {}
+    for part in gathered:
+        assert part is not None
+        merged.update(part)
+    return merged
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    """Write the manifest last, atomically: its presence marks the checkpoint complete."""
+    tmp = directory / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    os.replace(tmp, directory / MANIFEST)
+
+
+def build_manifest(
+    *,
+    step: int,
+    samples_seen: int,
+    tokens_seen: int,
+    spec: dict[str, Any],
+    strategy: str,
+    world_size: int,
+    files: dict[str, dict[str, Any]],
+    metrics: dict[str, Any],
+) -> dict[str, Any]:
+    import ray
+
+    return {
+        "format": FORMAT_VERSION,
+        "step": step,
+        "samples_seen": samples_seen,
+        "tokens_seen": tokens_seen,
+        "spec": spec,
+        "spec_sha256": spec_hash(spec),
+        "strategy": strategy,
+        "world": {"world_size": world_size},
+        "versions": {
+            "trainstack": trainstack.__version__,
+            "torch": torch.__version__,
+            "ray": ray.__version__,
+        },
+        "created_unix": time.time(),
+        "metrics": metrics,
+        "files": files,
+    }
+
+
+def verify(path: Path) -> Checkpoint:
+    """Check the manifest and every file it lists; raise CheckpointError naming the culprit."""
+    manifest_path = path / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{manifest_path}: missing (checkpoint incomplete)") from None
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{manifest_path}: unreadable: {err}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{manifest_path}: not a trainstack checkpoint manifest v1")
+    for key in ("step", "samples_seen", "spec", "files"):
+        if key not in manifest:
+            raise CheckpointError(f"{manifest_path}: no '{key}' entry")
+    for name, entry in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing")
+        if file.stat().st_size != entry["size"]:
+            raise CheckpointError(
+                f"{file}: size {file.stat().st_size} != {entry['size']} in manifest"
+            )
+        if _sha256(file) != entry["sha256"]:
+            raise CheckpointError(f"{file}: sha256 does not match the manifest")
+    return Checkpoint(path=path, manifest=manifest)
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Checkpoint directories of a run, newest step first."""
+    if not run_dir.is_dir():
+        return []
+    found = [p for p in run_dir.iterdir() if p.is_dir() and _DIR_PATTERN.match(p.name)]
+    return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+def latest_valid(run_dir: Path, *, warn: Callable[[str], None]) -> tuple[Checkpoint | None, int]:
+    """The newest checkpoint that verifies, and how many newer ones were skipped as invalid."""
+    skipped = 0
+    for path in list_checkpoints(run_dir):
+        try:
+            return verify(path), skipped
+        except CheckpointError as err:
+            warn(f"skipping checkpoint {path.name}: {err}")
+            skipped += 1
+    return None, skipped
+
+
+def prune(run_dir: Path, *, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints (never the newest valid one)."""
+    for path in list_checkpoints(run_dir)[keep:]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states in a form `torch.load(weights_only=True)` accepts."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    npy = state["numpy"]
+    np.random.set_state(
+        (
+            npy["kind"],
+            npy["keys"].numpy().astype(np.uint32),
+            npy["pos"],
+            npy["has_gauss"],
+            npy["gauss"],
+        )
+    )
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def read(path: Path) -> Checkpoint:
+    """A checkpoint another process already verified: its manifest, without re-hashing."""
+    return Checkpoint(path=path, manifest=json.loads((path / MANIFEST).read_text()))
+
+
+def warn(message: str) -> None:
+    print(f"trainstack: warning: {message}", flush=True)
+
+
+def find_start(
+    run_dir: Path,
+    *,
+    resume_from: Path | None,
+    on_corrupt: str,
+    warn: Callable[[str], None] = warn,
+) -> Checkpoint | None:
+    """Where a run starts: its own newest valid checkpoint, else `resume_from`, else None.
+
+    `resume_from` may be a checkpoint directory or a run directory (its newest valid
+    checkpoint is used). Raises CheckpointError when checkpoints exist but none verifies
+    and `on_corrupt` is `fail`, or when `resume_from` does not verify.
+    """
+    found, skipped = latest_valid(run_dir, warn=warn)
+    if found is not None:
+        return found
+    if skipped and on_corrupt == "fail":
+        raise CheckpointError(
+            f"{run_dir}: none of its {skipped} checkpoint(s) verifies; set "
+            "checkpoint.on_corrupt=restart to start fresh"
+        )
+    if skipped:
+        warn(f"{run_dir}: no checkpoint verifies; starting fresh (checkpoint.on_corrupt=restart)")
+    if resume_from is None:
+        return None
+    if (resume_from / MANIFEST).exists():
+        return verify(resume_from)
+    chosen, _ = latest_valid(resume_from, warn=warn)
+    if chosen is None:
+        raise CheckpointError(f"--resume-from {resume_from}: no valid checkpoint there")
+    return chosen

@@ -1,0 +1,59 @@
+"""Test-only fault injection: a worker process dies on purpose just before a chosen step.
+
+Driven by the spec's `faults` section (off by default). Each planned kill fires once
+per run: a marker file in the run directory records it, so the steps replayed after
+the restart do not kill again.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from trainstack.config import JobConfig
+
+
+def kill_plan(cfg: JobConfig) -> dict[int, int]:
+    """Step (1-based) -> the rank that dies just before it."""
+    faults = cfg.faults
+    rng = random.Random(faults.seed)
+    steps = set(faults.kill_at_steps)
+    candidates = sorted(set(range(2, cfg.train.steps + 1)) - steps)
+    steps.update(rng.sample(candidates, min(faults.random_kills, len(candidates))))
+    plan = {}
+    for step in sorted(steps):
+        rank = faults.rank if faults.rank >= 0 else rng.randrange(cfg.scaling.num_workers)
+        plan[step] = rank
+    return plan
+
+
+class FaultInjector:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        *,
+        rank: int,
+        marker_dir: Path,
+        on_fire: Callable[[dict[str, Any]], None],
+    ) -> None:
+        self.plan = {s: r for s, r in kill_plan(cfg).items() if r == rank}
+        self.rank = rank
+        self.marker_dir = marker_dir
+        self.on_fire = on_fire
+
+    def before_step(self, step: int) -> None:
+        """Die now if this rank is planned to die before `step` and has not yet."""
+        if step not in self.plan:
+            return
+        self.marker_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(self.marker_dir / f"killed_before_step_{step}", os.O_CREAT | os.O_EXCL)
+        except FileExistsError:
+            return  # fired in an earlier attempt; this is the replay
+        os.close(fd)
+        self.on_fire({"event": "fault", "step": step, "rank": self.rank, "time": time.time()})
+        os._exit(17)

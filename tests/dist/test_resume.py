@@ -1,0 +1,129 @@
+"""Checkpoints: exact resume after a killed worker, resume on another world size, and
+fallback past corrupt checkpoints. Gloo processes, no Ray."""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from trainstack import checkpoint as ckpt
+from trainstack.config import config_from_dict
+from trainstack.runtime.local import run_processes
+
+
+def spec(storage: Path, *, workers: int = 2, micro: int = 4, kill: int | None = None) -> dict:
+    return {
+        "name": "resume",
+        "model": {"kind": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16},
+        "data": {"vocab_size": 16, "order": 1, "eval_samples": 32},
+        "train": {"steps": 20, "global_batch_size": 16, "micro_batch_size": micro},
+        "optim": {"lr": 1e-2, "warmup_steps": 2, "weight_decay": 0.1},
+        "scaling": {"num_workers": workers},
+        "checkpoint": {"every_steps": 5, "keep": 10, "storage_path": str(storage)},
+        "log": {"every_steps": 1},
+        "faults": {"kill_at_steps": [kill], "rank": 1} if kill else {},
+    }
+
+
+def losses(out: Path) -> dict[int, float]:
+    """Loss per step; a replayed step keeps its latest value."""
+    records = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "event" not in r}
+
+
+def starts(out: Path) -> list[dict[str, Any]]:
+    records = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    return [r for r in records if r.get("event") == "start"]
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out / "model.pt", weights_only=True)
+
+
+def test_resume_after_a_killed_worker_is_bitwise_identical(tmp_path: Path) -> None:
+    run_processes(config_from_dict(spec(tmp_path / "a")), world_size=2, out_dir=tmp_path / "a")
+    killed = config_from_dict(spec(tmp_path / "b", kill=13))
+    with pytest.raises(Exception, match="exit code 17"):
+        run_processes(killed, world_size=2, out_dir=tmp_path / "b")
+    run_processes(killed, world_size=2, out_dir=tmp_path / "b")  # the rerun resumes
+
+    assert [s["resumed_from_step"] for s in starts(tmp_path / "b")] == [0, 10]
+    uninterrupted, resumed = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert sorted(resumed) == list(range(1, 21))
+    assert resumed == uninterrupted  # every step's loss, exactly
+    reference = weights(tmp_path / "a")
+    for name, value in weights(tmp_path / "b").items():
+        assert torch.equal(value, reference[name]), name
+
+
+def test_two_worker_checkpoint_resumes_on_one_worker_without_skipping_data(tmp_path: Path) -> None:
+    one = spec(tmp_path / "ref", workers=1, micro=8)
+    run_processes(config_from_dict(one), world_size=1, out_dir=tmp_path / "ref")
+    two = config_from_dict(spec(tmp_path / "run", workers=2, micro=4, kill=13))
+    with pytest.raises(Exception, match="exit code 17"):
+        run_processes(two, world_size=2, out_dir=tmp_path / "run")
+    resumed = config_from_dict(spec(tmp_path / "run", workers=1, micro=8))
+    run_processes(resumed, world_size=1, out_dir=tmp_path / "run")
+
+    assert [s["resumed_from_step"] for s in starts(tmp_path / "run")] == [0, 10]
+    final = ckpt.verify(ckpt.run_dir_for(resumed) / ckpt.dir_name(20))
+    assert final.samples_seen == 20 * 16
+    assert final.manifest["world"]["world_size"] == 1
+    reference = weights(tmp_path / "ref")
+    for name, value in weights(tmp_path / "run").items():
+        assert torch.allclose(value, reference[name], atol=1e-5, rtol=0), name
+
+
+def test_corrupt_checkpoints_are_skipped_for_the_newest_valid_one(tmp_path: Path) -> None:
+    cfg = config_from_dict(spec(tmp_path, workers=1, micro=8))
+    run_processes(cfg, world_size=1, out_dir=tmp_path / "first")
+    run_dir = ckpt.run_dir_for(cfg)
+    assert [p.name for p in ckpt.list_checkpoints(run_dir)] == [
+        ckpt.dir_name(s) for s in (20, 15, 10, 5)
+    ]
+    model = run_dir / ckpt.dir_name(20) / "model.pt"
+    data = bytearray(model.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, different content
+    model.write_bytes(bytes(data))
+    (run_dir / ckpt.dir_name(15) / "manifest.json").unlink()  # as if the save was cut short
+
+    warnings: list[str] = []
+    start = ckpt.find_start(run_dir, resume_from=None, on_corrupt="fail", warn=warnings.append)
+    assert start is not None and start.step == 10
+    assert len(warnings) == 2
+    assert "checkpoint_00000020" in warnings[0] and "model.pt: sha256" in warnings[0]
+    assert "checkpoint_00000015" in warnings[1] and "manifest.json: missing" in warnings[1]
+
+    run_processes(cfg, world_size=1, out_dir=tmp_path / "again")  # resumes at 10, redoes 11..20
+    first, again = weights(tmp_path / "first"), weights(tmp_path / "again")
+    assert all(torch.equal(again[n], first[n]) for n in first)
+
+
+def test_no_valid_checkpoint_stops_unless_on_corrupt_restart(tmp_path: Path) -> None:
+    cfg = config_from_dict(spec(tmp_path, workers=1, micro=8))
+    run_processes(cfg, world_size=1, out_dir=tmp_path / "out")
+    run_dir = ckpt.run_dir_for(cfg)
+    for path in ckpt.list_checkpoints(run_dir):
+        (path / "manifest.json").write_text("{not json")
+
+    with pytest.raises(ckpt.CheckpointError, match="on_corrupt=restart"):
+        ckpt.find_start(run_dir, resume_from=None, on_corrupt="fail", warn=lambda m: None)
+    warnings: list[str] = []
+    assert ckpt.find_start(run_dir, resume_from=None, on_corrupt="restart", warn=warnings.append) is None
+    assert "starting fresh" in warnings[-1]
+
+
+def test_checkpoint_files_load_with_weights_only(tmp_path: Path) -> None:
+    cfg = config_from_dict(spec(tmp_path, workers=1, micro=8))
+    run_processes(cfg, world_size=1, out_dir=tmp_path / "out")
+    final = ckpt.verify(ckpt.run_dir_for(cfg) / ckpt.dir_name(20))
+    assert set(final.manifest["files"]) == {
+        "model.pt", "optimizer.pt", "scheduler.pt", "rng/rank_00000.pt"
+    }
+    for name in final.manifest["files"]:
+        final.load(name)  # torch.load(weights_only=True) accepts every file
+    assert final.manifest["spec_sha256"] == ckpt.spec_hash(final.manifest["spec"])
+    assert final.manifest["tokens_seen"] == 20 * 16 * 16
+    assert {"trainstack", "torch", "ray"} <= set(final.manifest["versions"])
