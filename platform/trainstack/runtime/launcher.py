@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,9 +77,17 @@ class FailureWatch(ray.train.UserCallback):
             )
 
 
+def _quiet_report_logs() -> None:
+    """Ray Train logs every report() at INFO, metrics and all, under loggers named by
+    file path (outside `ray.train`'s level setting); rank 0's progress says it better."""
+    from ray.train.v2._internal.execution import context
+
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)
+
+
 def _train_worker(loop_config: dict[str, Any]) -> None:
     """Body of each Ray Train worker actor."""
-    logging.getLogger("ray.train").setLevel(logging.WARNING)  # no per-report INFO lines
+    _quiet_report_logs()
     cfg = config_from_dict(loop_config["spec"])
     context = ray.train.get_context()
     ctx = WorkerContext(
@@ -110,12 +119,15 @@ class RunFollower:
 
     display: ProgressDisplay | None
     tracker: Tracker
+    on_record: Callable[[dict[str, Any]], None] | None = None
     starts: list[dict[str, Any]] = field(default_factory=list)
     faults: list[dict[str, Any]] = field(default_factory=list)
     failures: list[dict[str, Any]] = field(default_factory=list)
     last_step: int = 0
 
     def handle(self, record: dict[str, Any]) -> None:
+        if self.on_record is not None:
+            self.on_record(record)
         event = record.get("event")
         if event is None:
             self.last_step = record["step"]
@@ -162,8 +174,11 @@ def run_job(
     address: str | None = None,
     display: ProgressDisplay | None = None,
     resume_from: Path | None = None,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Train `cfg` on a Ray worker group; return the summary.
+
+    `on_record` sees every log record and run event as the driver receives it.
 
     Raises CheckpointError before anything starts when the checkpoints to resume from
     do not verify, and RunFailedError when the worker group fails for good.
@@ -180,7 +195,7 @@ def run_job(
 
     started_local = connect(address)
     tracker = start_tracking(cfg, run_dir=run_dir)
-    follower = RunFollower(display=display, tracker=tracker)
+    follower = RunFollower(display=display, tracker=tracker, on_record=on_record)
     events = Queue(actor_options={"num_cpus": 0})
     resources: dict[str, float] = {"CPU": cfg.scaling.cpus_per_worker}
     if cfg.scaling.use_gpu:
@@ -203,6 +218,7 @@ def run_job(
             storage_path=str(run_dir.parent),
             failure_config=ray.train.FailureConfig(max_failures=cfg.failure.max_failures),
             callbacks=[FailureWatch(events)],  # type: ignore[list-item]
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # type: ignore[call-arg]
         ),
     )
     outcome: dict[str, Any] = {}

@@ -65,6 +65,7 @@ def train(
     faults) as dicts; records have a "step", events an "event" key.
     """
     emit = on_event or (lambda record: None)
+    entered = time.time()
     torch.set_num_threads(torch_threads(cfg))
     corpus = build_corpus(cfg.data)
     seq_len = cfg.model.block_size
@@ -77,7 +78,14 @@ def train(
     restored = _restore(cfg, ctx, strategy, run_dir=run_dir, resume_from=resume_from)
     start_step = restored.step if restored else 0
     if ctx.rank == 0:
-        emit({"event": "start", "resumed_from_step": start_step, "time": time.time()})
+        emit(
+            {
+                "event": "start",
+                "resumed_from_step": start_step,
+                "worker_entered": entered,
+                "time": time.time(),
+            }
+        )
     batches = ShardedBatches(
         corpus=corpus,
         seq_len=seq_len,
