@@ -88,3 +88,24 @@ def test_trainstack_run_writes_summary_json(tmp_path: Path) -> None:
     assert summary["mfu"] is None and summary["tokens_per_s"] > 0
     assert "step 20/20" in proc.stdout and "entropy floor" in proc.stdout
     assert (ROOT / "jobs/configs/demo.yaml").exists()
+
+
+def test_corrupt_checkpoints_stop_the_run_with_one_line(tmp_path: Path) -> None:
+    broken = tmp_path / "runs" / "demo" / "checkpoint_00000010"
+    broken.mkdir(parents=True)
+    (broken / "manifest.json").write_text("{not json")
+    proc = run(
+        [
+            str(BIN / "trainstack"),
+            "run",
+            "jobs/configs/demo.yaml",
+            "--set",
+            f"checkpoint.storage_path={tmp_path / 'runs'}",
+        ],
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    errors = proc.stderr.strip().splitlines()
+    assert len(errors) == 1 and "checkpoint.on_corrupt=restart" in errors[0]
+    assert "skipping checkpoint checkpoint_00000010" in proc.stdout
+    assert "Traceback" not in proc.stderr
