@@ -22,8 +22,11 @@ $(STAMP): pyproject.toml
 	$(PY) -c 'import torch, ray, deepspeed, mlflow, trainstack' 2>/dev/null
 	touch $(STAMP)
 
+# A fresh demo each time: a rerun of a finished run would only report it.
 demo: $(STAMP)
-	$(VENV)/bin/trainstack run jobs/configs/demo.yaml --summary-json .cache/demo_summary.json
+	rm -rf .cache/demo_runs/demo
+	$(VENV)/bin/trainstack run jobs/configs/demo.yaml \
+		--set checkpoint.storage_path=.cache/demo_runs --summary-json .cache/demo_summary.json
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check platform jobs tests benchmarks

@@ -12,9 +12,11 @@ group or Ray worker group, model build) is reported apart.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -95,7 +97,11 @@ def run_plain(cfg: JobConfig, out: Path) -> dict[str, float]:
 def run_trainstack(cfg: JobConfig) -> dict[str, float]:
     from trainstack.runtime.launcher import run_job
 
-    summary = run_job(cfg)
+    with tempfile.TemporaryDirectory(prefix="trainstack-overhead-") as storage:
+        fresh = dataclasses.replace(
+            cfg, checkpoint=dataclasses.replace(cfg.checkpoint, storage_path=storage)
+        )
+        summary = run_job(fresh)
     return {
         "tokens_per_s": summary["tokens_per_s"],
         "startup_s": summary["wall_s"] - summary["train_s"],

@@ -11,18 +11,19 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, TypeVar, get_args, get_origin, get_type_hints
+from dataclasses import dataclass, field
+from typing import Any
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A job spec the user must fix; the message is one line."""
-
-
-_Section = TypeVar("_Section")
+from trainstack.config_fields import (
+    ConfigError,
+    build_section,
+    field_types,
+    got,
+    section_to_dict,
+    show,
+)
 
 
 @dataclass(kw_only=True)
@@ -100,9 +101,19 @@ class OptimConfig:
 @dataclass(kw_only=True)
 class StrategyConfig:
     kind: str = "ddp"
-    """Parallelism strategy: `ddp`."""
+    """Parallelism strategy: `ddp` or `zero` (DeepSpeed ZeRO)."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size in MiB (> 0)."""
+    stage: int = 2
+    """zero: ZeRO stage 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters) sharded."""
+    offload_optimizer: str = "none"
+    """zero: `none` or `cpu` (optimizer state and step on the host; DeepSpeed's CPU Adam)."""
+    offload_param: str = "none"
+    """zero: `none` or `cpu` (parameters on the host between uses; stage 3 only)."""
+    overlap_comm: bool = False
+    """zero: overlap gradient reduction with the backward pass."""
+    reduce_bucket_size: int = 500_000_000
+    """zero: elements per gradient reduction bucket (> 0)."""
 
 
 @dataclass(kw_only=True)
@@ -178,6 +189,8 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     failure: FailureConfig = field(default_factory=FailureConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    deepspeed: dict[str, Any] = field(default_factory=dict)
+    """zero only, for experts: raw DeepSpeed config keys, merged over what trainstack derives."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
@@ -196,7 +209,8 @@ PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
 OPTIM_KINDS: tuple[str, ...] = ("adamw", "sgd")
 LR_SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
 LR_SCALINGS: tuple[str, ...] = ("none", "linear", "sqrt")
-STRATEGY_KINDS: tuple[str, ...] = ("ddp",)
+STRATEGY_KINDS: tuple[str, ...] = ("ddp", "zero")
+OFFLOAD_DEVICES: tuple[str, ...] = ("none", "cpu")
 TRACKING_BACKENDS: tuple[str, ...] = ("mlflow", "none")
 CORRUPT_CHECKPOINT_ACTIONS: tuple[str, ...] = ("fail", "restart")
 PROGRESS_MODES: tuple[str, ...] = ("auto", "bar", "lines", "jsonl", "quiet")
@@ -209,8 +223,6 @@ MAX_MARKOV_ORDER = 3
 MAX_MARKOV_STATES = 2**20
 MAX_SEED = 2**32 - 1
 
-_TRUE_WORDS = frozenset({"true", "yes", "1"})
-_FALSE_WORDS = frozenset({"false", "no", "0"})
 
 # PyYAML's constructors raise plain exceptions for a bad explicit tag (`!!int x`,
 # `!!bool maybe`, `!!timestamp bad`), and its composer recurses once per nesting level.
@@ -238,7 +250,7 @@ def load_config(path: str, overrides: list[str] | tuple[str, ...] = ()) -> JobCo
     if not isinstance(raw, dict):
         raise ConfigError(
             f"job spec {str(path)!r}: top level must be a mapping of sections "
-            f"({', '.join(_field_types(JobConfig))}), got {_got(raw)}"
+            f"({', '.join(field_types(JobConfig))}), got {got(raw)}"
         )
     return config_from_dict(apply_overrides(raw, overrides))
 
@@ -254,7 +266,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
         key, sep, text = override.partition("=")
         parts = [part.strip() for part in key.split(".")]
         if not sep or not all(parts):
-            raise ConfigError(f"--set {_show(override)}: expected key.sub=value")
+            raise ConfigError(f"--set {show(override)}: expected key.sub=value")
         value = _parse_override_value(override, text)
         node = result
         for depth, part in enumerate(parts[:-1]):
@@ -264,7 +276,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
             elif not isinstance(child, dict):
                 where = ".".join(parts[: depth + 1])
                 raise ConfigError(
-                    f"--set {_show(override)}: {where!r} is {_show(child)}, not a mapping"
+                    f"--set {show(override)}: {where!r} is {show(child)}, not a mapping"
                 )
             node[part] = node = dict(child)
         node[parts[-1]] = value
@@ -278,7 +290,7 @@ def _parse_override_value(override: str, text: str) -> object:
         return yaml.safe_load(text)
     except (yaml.YAMLError, *_YAML_CONSTRUCTOR_ERRORS) as e:
         raise ConfigError(
-            f"--set {_show(override)}: value is not valid YAML: {_yaml_problem(e)}"
+            f"--set {show(override)}: value is not valid YAML: {_yaml_problem(e)}"
         ) from None
 
 
@@ -313,155 +325,14 @@ def config_from_dict(raw: object) -> JobConfig:
     type (`"4"` -> 4, `"1e-3"` -> 0.001, `"yes"` -> True, `[0.9, 0.99]` -> a tuple).
     A null section means its defaults.
     """
-    cfg = _build_section(JobConfig, raw, prefix="")
+    cfg = build_section(JobConfig, raw, prefix="")
     validate(cfg)
     return cfg
 
 
 def config_to_dict(cfg: JobConfig) -> dict[str, Any]:
     """Plain nested dict (tuples as lists) that `config_from_dict` turns back into `cfg`."""
-    return _section_to_dict(cfg)
-
-
-def _section_to_dict(section: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for f in fields(section):
-        value = getattr(section, f.name)
-        if is_dataclass(value):
-            value = _section_to_dict(value)
-        elif isinstance(value, tuple):
-            value = list(value)
-        out[f.name] = value
-    return out
-
-
-def _field_types(cls: type) -> dict[str, Any]:
-    hints = get_type_hints(cls)
-    return {f.name: hints[f.name] for f in fields(cls)}
-
-
-def _build_section(cls: type[_Section], raw: object, *, prefix: str) -> _Section:
-    """Build dataclass `cls` from `raw`; `prefix` is the dotted path of `raw` plus '.'."""
-    if raw is None:
-        return cls()
-    types = _field_types(cls)
-    if not isinstance(raw, Mapping):
-        where = prefix.rstrip(".") or "job spec"
-        raise ConfigError(
-            f"{where}: expected a mapping with keys {', '.join(types)}, got {_got(raw)}"
-        )
-    kwargs: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key not in types:
-            raise ConfigError(_unknown_key_message(prefix + str(key), prefix, list(types)))
-        hint = types[key]
-        if isinstance(hint, type) and is_dataclass(hint):
-            kwargs[key] = _build_section(hint, value, prefix=f"{prefix}{key}.")
-        else:
-            kwargs[key] = _coerce(value, hint, key=prefix + key)
-    return cls(**kwargs)
-
-
-def _unknown_key_message(dotted: str, prefix: str, allowed: list[str]) -> str:
-    close = difflib.get_close_matches(dotted, [prefix + name for name in allowed], n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ";"
-    return f"unknown key {dotted!r}{hint} allowed: {', '.join(allowed)}"
-
-
-def _coerce(value: object, hint: Any, *, key: str) -> object:
-    """`value` as the field type `hint`, or a ConfigError naming `key`."""
-    if hint is bool:
-        return _to_bool(value, key=key)
-    if hint is int:
-        return _to_int(value, key=key)
-    if hint is float:
-        return _to_float(value, key=key)
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        hint_text = "; put it in quotes to pass it as text" if _is_scalar(value) else ""
-        raise ConfigError(f"{key}: expected a string, got {_got(value)}{hint_text}")
-    if get_origin(hint) is tuple:
-        return _to_tuple(value, get_args(hint), key=key)
-    raise TypeError(f"{key}: config fields of type {hint!r} are not supported")
-
-
-def _to_bool(value: object, *, key: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in _TRUE_WORDS | _FALSE_WORDS:
-        return value.strip().lower() in _TRUE_WORDS
-    raise ConfigError(f"{key}: expected true or false, got {_got(value)}")
-
-
-def _to_int(value: object, *, key: str) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
-        try:
-            return int(value)
-        except ValueError:
-            pass
-        try:
-            number = float(value)
-        except ValueError:
-            number = math.nan
-        if number.is_integer():
-            return int(number)
-    raise ConfigError(f"{key}: expected an integer, got {_got(value)}")
-
-
-def _to_float(value: object, *, key: str) -> float:
-    if isinstance(value, float):
-        return value
-    if isinstance(value, int) and not isinstance(value, bool):
-        try:
-            return float(value)
-        except OverflowError:
-            raise ConfigError(f"{key}={_show(value)} is too large for a number") from None
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    raise ConfigError(f"{key}: expected a number, got {_got(value)}")
-
-
-def _to_tuple(value: object, item_hints: tuple[Any, ...], *, key: str) -> tuple[object, ...]:
-    if len(item_hints) == 2 and item_hints[1] is Ellipsis:  # tuple[T, ...]: any length
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {_got(value)}")
-        return tuple(
-            _coerce(item, item_hints[0], key=f"{key}[{i}]") for i, item in enumerate(value)
-        )
-    if not isinstance(value, (list, tuple)) or len(value) != len(item_hints):
-        kind = "numbers" if all(h is float for h in item_hints) else "values"
-        raise ConfigError(f"{key}: expected a list of {len(item_hints)} {kind}, got {_got(value)}")
-    return tuple(
-        _coerce(item, hint, key=f"{key}[{i}]")
-        for i, (item, hint) in enumerate(zip(value, item_hints, strict=True))
-    )
-
-
-def _is_scalar(value: object) -> bool:
-    return isinstance(value, (int, float, bool))
-
-
-def _show(value: object) -> str:
-    """A short one-line rendering of a user value for messages."""
-    try:
-        text = repr(value)
-    except ValueError:  # an int past Python's digit limit for str()
-        text = "a very large integer"
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _got(value: object) -> str:
-    return "null" if value is None else f"{_show(value)} ({type(value).__name__})"
+    return section_to_dict(cfg)
 
 
 # ---- validation -----------------------------------------------------------------
@@ -489,7 +360,7 @@ def validate(cfg: JobConfig) -> None:
 def _validate_name(name: str) -> None:
     if len(name) > NAME_MAX_CHARS or not NAME_PATTERN.fullmatch(name):
         raise ConfigError(
-            f"name={_show(name)} is not a valid run name; allowed: letters, digits, '.', '_' "
+            f"name={show(name)} is not a valid run name; allowed: letters, digits, '.', '_' "
             f"and '-', starting with a letter or digit, at most {NAME_MAX_CHARS} characters"
         )
 
@@ -608,9 +479,9 @@ def _validate_cross_section(cfg: JobConfig) -> None:
 def _require(key: str, ok: bool, value: float, allowed: str) -> None:
     """Raise unless `ok`; a non-finite float never passes a range check."""
     if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{key}={_show(value)} is not a finite number; allowed: {allowed}")
+        raise ConfigError(f"{key}={show(value)} is not a finite number; allowed: {allowed}")
     if not ok:
-        raise ConfigError(f"{key}={_show(value)} is out of range; allowed: {allowed}")
+        raise ConfigError(f"{key}={show(value)} is out of range; allowed: {allowed}")
 
 
 def _check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -618,7 +489,7 @@ def _check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
         return
     close = difflib.get_close_matches(value, allowed, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
-    raise ConfigError(f"{key}={_show(value)} is not one of {', '.join(allowed)}{hint}")
+    raise ConfigError(f"{key}={show(value)} is not one of {', '.join(allowed)}{hint}")
 
 
 def _next_multiple(value: int, step: int) -> int:
