@@ -202,7 +202,7 @@ def test_lenient_scalar_coercion() -> None:
         ({"checkpoint": {"storage_path": ""}}, "checkpoint.storage_path='' is empty"),
         (
             {"strategy": {"kind": "dpp"}},
-            "strategy.kind='dpp' is not one of ddp; did you mean 'ddp'?",
+            "strategy.kind='dpp' is not one of ddp, zero; did you mean 'ddp'?",
         ),
         ({"log": {"progress": "bars"}}, "log.progress='bars' is not one of auto, bar, lines"),
         ({"optim": {"warmup_steps": 200}}, "optim.warmup_steps=200 must be less than train.steps"),
