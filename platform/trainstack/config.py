@@ -117,6 +117,22 @@ class StrategyConfig:
 
 
 @dataclass(kw_only=True)
+class CompressionConfig:
+    kind: str = "none"
+    """Gradient compression: `none`, `fp16`, `bf16`, `topk`, `randk`, `qsgd`, `sign`, `powersgd`."""
+    ratio: float = 0.01
+    """topk, randk: fraction of each tensor's coordinates sent, in (0, 1]."""
+    bits: int = 8
+    """qsgd: bits per coordinate on the wire, 2, 4 or 8."""
+    rank: int = 4
+    """powersgd: rank of the low-rank approximation (>= 1)."""
+    error_feedback: bool = True
+    """Add each rank's residual g - C(g) to its next gradient (randk then sends unscaled values)."""
+    min_numel: int = 1024
+    """Tensors with fewer elements than this go dense (fp32 all-reduce), >= 0."""
+
+
+@dataclass(kw_only=True)
 class ScalingConfig:
     num_workers: int = 2
     """Training workers (Ray Train actors), >= 1."""
@@ -185,6 +201,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     failure: FailureConfig = field(default_factory=FailureConfig)
@@ -210,7 +227,106 @@ OPTIM_KINDS: tuple[str, ...] = ("adamw", "sgd")
 LR_SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
 LR_SCALINGS: tuple[str, ...] = ("none", "linear", "sqrt")
 STRATEGY_KINDS: tuple[str, ...] = ("ddp", "zero")
+COMPRESSION_KINDS: tuple[str, ...] = (
+    "none",
+    "fp16",
+    "bf16",
+    "topk",
+    "randk",
+    "qsgd",
+    "sign",
+    "powersgd",
+)
+QSGD_BITS: tuple[int, ...] = (2, 4, 8)
 OFFLOAD_DEVICES: tuple[str, ...] = ("none", "cpu")
+
+# Top-level keys DeepSpeed 0.19.8 reads from its config, collected once from its
+# source: every key `DeepSpeedConfig._initialize_params` (deepspeed/runtime/config.py,
+# constants in deepspeed/runtime/constants.py) and its sub-configs look up, plus the
+# ones `deepspeed.initialize` reads (data_parallel_size, sequence_parallel_size).
+DEEPSPEED_CONFIG_KEYS: tuple[str, ...] = (
+    "activation_checkpointing",
+    "aio",
+    "amp",
+    "autotuning",
+    "bf16",
+    "bfloat16",
+    "checkpoint",
+    "comet",
+    "comms_logger",
+    "communication_data_type",
+    "compile",
+    "compression_training",
+    "csv_monitor",
+    "curriculum_learning",
+    "data_efficiency",
+    "data_parallel_size",
+    "data_types",
+    "dataloader_drop_last",
+    "datastates_ckpt",
+    "disable_allgather",
+    "disable_python_gc",
+    "dump_state",
+    "eigenvalue",
+    "elasticity",
+    "expert_parallel",
+    "flops_profiler",
+    "fp16",
+    "gradient_accumulation_steps",
+    "gradient_allreduce_op",
+    "gradient_clipping",
+    "gradient_predivide_factor",
+    "graph_harvesting",
+    "hybrid_engine",
+    "log_level",
+    "managed_gradient_accumulation",
+    "memory_breakdown",
+    "nebula",
+    "optimizer",
+    "pipeline",
+    "prescale_gradients",
+    "progressive_layer_drop",
+    "quantize_training",
+    "scheduler",
+    "seq_parallel_communication_data_type",
+    "sequence_parallel_size",
+    "sparse_attention",
+    "sparse_gradients",
+    "steps_per_print",
+    "tensor_parallel",
+    "tensorboard",
+    "timers",
+    "torch_autocast",
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "use_data_before_expert_parallelism",
+    "vocabulary_size",
+    "wall_clock_breakdown",
+    "wandb",
+    "weight_quantization",
+    "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
+    "zero_optimization",
+)
+# DeepSpeed keys the zero strategy derives from the spec -> the spec key to set instead.
+DEEPSPEED_DERIVED_KEYS: dict[str, str] = {
+    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.global_batch_size (accumulation follows from it)",
+    "train_batch_size": "train.global_batch_size",
+    "optimizer": "optim.kind and the optim section",
+    "scheduler": "optim.schedule and the optim section",
+    "gradient_clipping": "optim.grad_clip",
+    "bf16": "train.precision",
+    "bfloat16": "train.precision",
+    "fp16": "train.precision",
+}
+DEEPSPEED_DERIVED_ZERO_KEYS: tuple[str, ...] = (
+    "stage",
+    "offload_optimizer",
+    "offload_param",
+    "overlap_comm",
+    "reduce_bucket_size",
+)
 TRACKING_BACKENDS: tuple[str, ...] = ("mlflow", "none")
 CORRUPT_CHECKPOINT_ACTIONS: tuple[str, ...] = ("fail", "restart")
 PROGRESS_MODES: tuple[str, ...] = ("auto", "bar", "lines", "jsonl", "quiet")
@@ -345,7 +461,8 @@ def validate(cfg: JobConfig) -> None:
     _validate_data(cfg.data)
     _validate_train(cfg.train)
     _validate_optim(cfg.optim)
-    _validate_strategy(cfg.strategy)
+    _validate_strategy(cfg)
+    _validate_compression(cfg)
     _validate_scaling(cfg.scaling)
     _validate_checkpoint(cfg.checkpoint)
     _validate_faults(cfg)
@@ -428,9 +545,73 @@ def _validate_optim(o: OptimConfig) -> None:
     _check_choice("optim.lr_scaling", o.lr_scaling, LR_SCALINGS)
 
 
-def _validate_strategy(s: StrategyConfig) -> None:
+def _validate_strategy(cfg: JobConfig) -> None:
+    s = cfg.strategy
     _check_choice("strategy.kind", s.kind, STRATEGY_KINDS)
     _require("strategy.bucket_cap_mb", s.bucket_cap_mb > 0, s.bucket_cap_mb, "> 0")
+    _require("strategy.stage", 1 <= s.stage <= 3, s.stage, "1, 2 or 3")
+    _check_choice("strategy.offload_optimizer", s.offload_optimizer, OFFLOAD_DEVICES)
+    _check_choice("strategy.offload_param", s.offload_param, OFFLOAD_DEVICES)
+    _require("strategy.reduce_bucket_size", s.reduce_bucket_size > 0, s.reduce_bucket_size, "> 0")
+    if s.offload_param != "none" and s.stage != 3:
+        raise ConfigError(
+            f"strategy.offload_param={s.offload_param} needs strategy.stage=3 "
+            f"(ZeRO-3 shards parameters); got stage {s.stage}"
+        )
+    if s.offload_optimizer != "none" and cfg.optim.kind != "adamw":
+        raise ConfigError(
+            f"strategy.offload_optimizer={s.offload_optimizer} needs optim.kind=adamw "
+            f"(DeepSpeed's CPU Adam runs the offloaded step); got {cfg.optim.kind}"
+        )
+    if cfg.deepspeed:
+        _validate_deepspeed(cfg.deepspeed, kind=s.kind)
+
+
+def _validate_deepspeed(raw: dict[str, Any], *, kind: str) -> None:
+    """`deepspeed:` is for DeepSpeed keys trainstack does not derive, under ZeRO only."""
+    if kind != "zero":
+        raise ConfigError(
+            f"deepspeed: raw DeepSpeed keys apply only with strategy.kind=zero; got {kind}"
+        )
+    for key in raw:
+        if key in DEEPSPEED_DERIVED_KEYS:
+            raise ConfigError(
+                f"deepspeed.{key} is derived from the job spec; set "
+                f"{DEEPSPEED_DERIVED_KEYS[key]} instead"
+            )
+        if key not in DEEPSPEED_CONFIG_KEYS:
+            close = difflib.get_close_matches(str(key), DEEPSPEED_CONFIG_KEYS, n=1)
+            hint = f"; did you mean 'deepspeed.{close[0]}'?" if close else ""
+            raise ConfigError(f"unknown DeepSpeed key 'deepspeed.{key}'{hint}")
+    zero = raw.get("zero_optimization")
+    if not isinstance(zero, dict):
+        return
+    for key, value in zero.items():
+        if key not in DEEPSPEED_DERIVED_ZERO_KEYS:
+            continue
+        shown = key
+        if key.startswith("offload_"):
+            if isinstance(value, dict) and "device" not in value:
+                continue  # sub-options (pin_memory, nvme_path, ...) pass; the device is ours
+            shown = f"{key}.device"
+        raise ConfigError(
+            f"deepspeed.zero_optimization.{shown} is derived from the job spec; "
+            f"set strategy.{key} instead"
+        )
+
+
+def _validate_compression(cfg: JobConfig) -> None:
+    c = cfg.compression
+    _check_choice("compression.kind", c.kind, COMPRESSION_KINDS)
+    _require("compression.ratio", 0 < c.ratio <= 1, c.ratio, "(0, 1]")
+    bits_allowed = ", ".join(str(b) for b in QSGD_BITS)
+    _require("compression.bits", c.bits in QSGD_BITS, c.bits, bits_allowed)
+    _require("compression.rank", c.rank >= 1, c.rank, ">= 1")
+    _require("compression.min_numel", c.min_numel >= 0, c.min_numel, ">= 0")
+    if c.kind != "none" and cfg.strategy.kind != "ddp":
+        raise ConfigError(
+            f"compression.kind={c.kind} needs strategy.kind=ddp; got {cfg.strategy.kind}"
+        )
 
 
 def _validate_scaling(s: ScalingConfig) -> None:

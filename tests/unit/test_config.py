@@ -269,3 +269,152 @@ def test_grad_accum_steps() -> None:
     )
     assert cfg.grad_accum_steps == 8
     assert JobConfig().grad_accum_steps == 2
+
+
+# ---- compression ------------------------------------------------------------------
+
+
+def test_compression_section_defaults_off_and_loads_every_field() -> None:
+    from trainstack.config import CompressionConfig
+
+    assert JobConfig().compression == CompressionConfig(kind="none")
+    spec = {
+        "compression": {
+            "kind": "qsgd",
+            "ratio": "0.1",
+            "bits": 4,
+            "rank": 2,
+            "error_feedback": "no",
+            "min_numel": 0,
+        }
+    }
+    cfg = config_from_dict(spec)
+    assert cfg.compression == CompressionConfig(
+        kind="qsgd", ratio=0.1, bits=4, rank=2, error_feedback=False, min_numel=0
+    )
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+    raw = apply_overrides({}, ["compression.kind=topk", "compression.ratio=1"])
+    assert config_from_dict(raw).compression.ratio == 1.0
+
+
+@pytest.mark.parametrize(
+    ("section", "expected"),
+    [
+        ({"kind": "topc"}, "compression.kind='topc' is not one of none, fp16, bf16, topk, "),
+        ({"ratio": 0}, "compression.ratio=0.0 is out of range; allowed: (0, 1]"),
+        ({"ratio": 1.5}, "compression.ratio=1.5 is out of range; allowed: (0, 1]"),
+        ({"ratio": -0.1}, "compression.ratio=-0.1 is out of range; allowed: (0, 1]"),
+        ({"ratio": ".nan"}, "compression.ratio"),
+        ({"bits": 3}, "compression.bits=3 is out of range; allowed: 2, 4, 8"),
+        ({"bits": 16}, "compression.bits=16 is out of range; allowed: 2, 4, 8"),
+        ({"rank": 0}, "compression.rank=0 is out of range; allowed: >= 1"),
+        ({"min_numel": -1}, "compression.min_numel=-1 is out of range; allowed: >= 0"),
+        ({"kind": "sign", "bitz": 2}, "unknown key 'compression.bitz'; did you mean"),
+    ],
+)
+def test_compression_out_of_range_values_are_one_line_errors(section: dict, expected: str) -> None:
+    assert error_of({"compression": section}).startswith(expected)
+
+
+def test_compression_needs_ddp_for_now() -> None:
+    message = error_of({"compression": {"kind": "topk"}, "strategy": {"kind": "zero"}})
+    assert message == "compression.kind=topk needs strategy.kind=ddp; got zero"
+    assert config_from_dict({"strategy": {"kind": "zero"}}).compression.kind == "none"
+    assert config_from_dict({"compression": {"kind": "powersgd"}}).compression.rank == 4
+
+
+# ---- strategy: ZeRO and raw DeepSpeed keys -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("strategy", "expected"),
+    [
+        ({"stage": 0}, "strategy.stage=0 is out of range; allowed: 1, 2 or 3"),
+        ({"stage": 4}, "strategy.stage=4 is out of range; allowed: 1, 2 or 3"),
+        (
+            {"offload_optimizer": "gpu"},
+            "strategy.offload_optimizer='gpu' is not one of none, cpu",
+        ),
+        ({"offload_param": "nvme", "stage": 3}, "strategy.offload_param='nvme' is not one of"),
+        ({"reduce_bucket_size": 0}, "strategy.reduce_bucket_size=0 is out of range; allowed: > 0"),
+    ],
+)
+def test_zero_strategy_values_out_of_range(strategy: dict, expected: str) -> None:
+    assert error_of({"strategy": {"kind": "zero", **strategy}}).startswith(expected)
+
+
+def test_offload_param_needs_stage_3() -> None:
+    message = error_of({"strategy": {"kind": "zero", "stage": 2, "offload_param": "cpu"}})
+    assert message == (
+        "strategy.offload_param=cpu needs strategy.stage=3 (ZeRO-3 shards parameters); got stage 2"
+    )
+    cfg = config_from_dict({"strategy": {"kind": "zero", "stage": 3, "offload_param": "cpu"}})
+    assert cfg.strategy.offload_param == "cpu"
+
+
+def test_offload_optimizer_needs_adamw() -> None:
+    message = error_of(
+        {"strategy": {"kind": "zero", "offload_optimizer": "cpu"}, "optim": {"kind": "sgd"}}
+    )
+    assert message.startswith("strategy.offload_optimizer=cpu needs optim.kind=adamw")
+
+
+def test_deepspeed_section_passes_through_valid_keys_under_zero() -> None:
+    raw = {
+        "strategy": {"kind": "zero", "stage": 3},
+        "deepspeed": {
+            "zero_optimization": {"stage3_param_persistence_threshold": 0},
+            "steps_per_print": 100,
+        },
+    }
+    cfg = config_from_dict(raw)
+    assert cfg.deepspeed["zero_optimization"] == {"stage3_param_persistence_threshold": 0}
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+
+
+def test_deepspeed_section_only_with_zero() -> None:
+    message = error_of({"deepspeed": {"steps_per_print": 10}})
+    assert message == "deepspeed: raw DeepSpeed keys apply only with strategy.kind=zero; got ddp"
+
+
+def test_unknown_deepspeed_key_names_it_and_the_nearest_valid_one() -> None:
+    message = error_of({"strategy": {"kind": "zero"}, "deepspeed": {"steps_per_prnt": 10}})
+    assert message == (
+        "unknown DeepSpeed key 'deepspeed.steps_per_prnt'; "
+        "did you mean 'deepspeed.steps_per_print'?"
+    )
+
+
+@pytest.mark.parametrize(
+    ("key", "instead"),
+    [
+        ("train_micro_batch_size_per_gpu", "train.micro_batch_size"),
+        ("gradient_accumulation_steps", "train.global_batch_size"),
+        ("train_batch_size", "train.global_batch_size"),
+        ("optimizer", "optim.kind"),
+        ("scheduler", "optim.schedule"),
+        ("gradient_clipping", "optim.grad_clip"),
+        ("bf16", "train.precision"),
+        ("fp16", "train.precision"),
+    ],
+)
+def test_deepspeed_keys_trainstack_derives_are_refused(key: str, instead: str) -> None:
+    message = error_of({"strategy": {"kind": "zero"}, "deepspeed": {key: {}}})
+    assert message.startswith(f"deepspeed.{key} is derived from the job spec; set {instead}")
+
+
+def test_deepspeed_zero_keys_trainstack_derives_are_refused() -> None:
+    def zero(section: dict) -> dict:
+        return {"strategy": {"kind": "zero"}, "deepspeed": {"zero_optimization": section}}
+
+    assert error_of(zero({"stage": 3})) == (
+        "deepspeed.zero_optimization.stage is derived from the job spec; set strategy.stage instead"
+    )
+    assert error_of(zero({"offload_param": {"device": "cpu"}})) == (
+        "deepspeed.zero_optimization.offload_param.device is derived from the job spec; "
+        "set strategy.offload_param instead"
+    )
+    message = error_of(zero({"reduce_bucket_size": 10}))
+    assert message.endswith("set strategy.reduce_bucket_size instead")
+    pinned = config_from_dict(zero({"offload_optimizer": {"pin_memory": True}}))  # sub-options pass
+    assert pinned.deepspeed["zero_optimization"]["offload_optimizer"] == {"pin_memory": True}

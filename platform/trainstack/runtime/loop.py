@@ -193,6 +193,7 @@ def train(
         "flops_per_token": flops_per_token,
         "comm_bytes_per_step": strategy.comm_bytes_per_step(),
         "peak_mem_bytes": peak_memory_bytes(ctx.device),
+        "model_state_bytes": strategy.model_state_bytes(),
         "train_s": train_s,
     }
     save(cfg.train.steps, summary)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from trainstack.config import JobConfig
 from trainstack.strategies.base import Batch, StepOutput, Strategy, WorkerContext
 from trainstack.strategies.ddp import DDPStrategy
+from trainstack.strategies.zero import ZeROStrategy
 
-STRATEGIES: dict[str, type[DDPStrategy]] = {"ddp": DDPStrategy}
+STRATEGIES: dict[str, Callable[[JobConfig, WorkerContext], Strategy]] = {
+    "ddp": DDPStrategy,
+    "zero": ZeROStrategy,
+}
 
 
 def build_strategy(cfg: JobConfig, ctx: WorkerContext) -> Strategy:

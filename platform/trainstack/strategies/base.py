@@ -7,6 +7,8 @@ pipeline APIs itself: only the strategy does.
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -78,6 +80,10 @@ class Strategy(Protocol):
     def load_checkpoint(self, checkpoint: Checkpoint) -> list[str]:
         """Restore from a verified checkpoint; return notes on what could not be restored."""
 
+    def model_state_bytes(self) -> dict[str, int]:
+        """This rank's bytes of `params`, `grads` and `optimizer` state, measured from the
+        tensors it holds (`grads`: the most held after any backward pass so far)."""
+
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over every token of the micro-batch."""
@@ -89,3 +95,31 @@ def ring_allreduce_bytes(numel: int, *, element_size: int, world_size: int) -> i
     if world_size == 1:
         return 0
     return 2 * (world_size - 1) * numel * element_size // world_size
+
+
+def fast_forward_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler, *, step: int) -> None:
+    """Put `scheduler` (and its optimizer's lr) where it is after `step` optimizer steps,
+    for a resume that could not load the schedule's saved state."""
+    scheduler.last_epoch = step - 1
+    with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": intended
+        warnings.simplefilter("ignore", UserWarning)
+        scheduler.step()
+
+
+def tensors_in(value: object) -> list[torch.Tensor]:
+    """Every tensor in a nest of mappings, lists and tuples (e.g. an optimizer's state)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, list | tuple):
+        return [t for item in value for t in tensors_in(item)]
+    return []
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storage behind `tensors`, each storage counted once (views share one)."""
+    storages = {
+        (t.device, t.untyped_storage().data_ptr()): t.untyped_storage().nbytes() for t in tensors
+    }
+    return sum(storages.values())

@@ -21,8 +21,11 @@ from trainstack.strategies.base import (
     Batch,
     StepOutput,
     WorkerContext,
+    fast_forward_schedule,
     next_token_loss,
     ring_allreduce_bytes,
+    storage_bytes,
+    tensors_in,
 )
 
 
@@ -35,6 +38,7 @@ class DDPStrategy:
         self.model: nn.Module = nn.Identity()
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self._peak_grad_bytes = 0
 
     def setup(self, model: nn.Module) -> None:
         model.to(self.ctx.device)
@@ -72,6 +76,8 @@ class DDPStrategy:
                 with self._autocast():
                     loss = next_token_loss(self.model(x), y)
                 (loss / accum).backward()
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            self._peak_grad_bytes = max(self._peak_grad_bytes, storage_bytes(grads))
             total += loss.detach()
         max_norm = self.cfg.optim.grad_clip or float("inf")
         grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
@@ -124,8 +130,20 @@ class DDPStrategy:
         self.unwrapped_model().load_state_dict(checkpoint.load("model.pt"))
         same_kind = checkpoint.manifest.get("strategy") == self.name
         if not (same_kind and checkpoint.has("optimizer.pt") and checkpoint.has("scheduler.pt")):
+            fast_forward_schedule(self.scheduler, step=checkpoint.step)
             source = checkpoint.manifest.get("strategy")
             return [f"optimizer state re-initialised (the checkpoint is from {source})"]
         self.optimizer.load_state_dict(checkpoint.load("optimizer.pt"))
         self.scheduler.load_state_dict(checkpoint.load("scheduler.pt"))
         return []
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Replicated on every rank: parameters, gradients (the most held after any
+        backward pass) and the optimizer's state (AdamW: exp_avg, exp_avg_sq, step)."""
+        assert self.optimizer is not None, "setup() first"
+        params = [p.data for p in self.unwrapped_model().parameters()]
+        return {
+            "params": storage_bytes(params),
+            "grads": self._peak_grad_bytes,
+            "optimizer": storage_bytes(tensors_in(self.optimizer.state)),
+        }

@@ -1,0 +1,112 @@
+"""Wiring a `compression:` spec into a DDP model, and the state a checkpoint keeps.
+
+`register_compression` is what the DDP strategy calls once, after wrapping the model;
+the `CompressionState` it returns reports each step's bytes and saves/restores what
+makes a resumed run continue exactly (step counter, residuals, warm starts). That
+state differs per rank, so every rank saves its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from trainstack.compression.base import CommStats, Compressor
+from trainstack.compression.hooks import BucketHook, CodecHook
+from trainstack.compression.lowrank import LowRank, PowerSGDHook
+from trainstack.compression.quantize import QSGD, Cast, Sign
+from trainstack.compression.sparsify import RandK, TopK
+from trainstack.config import CompressionConfig
+
+
+def build_compressor(cfg: CompressionConfig, *, seed: int, rank: int) -> Compressor:
+    """The codec for `cfg.kind` (not `none`); `rank` is the sender's process rank."""
+    match cfg.kind:
+        case "fp16":
+            return Cast(torch.float16)
+        case "bf16":
+            return Cast(torch.bfloat16)
+        case "topk":
+            return TopK(cfg.ratio)
+        case "randk":
+            return RandK(cfg.ratio, seed=seed, unbiased=not cfg.error_feedback)
+        case "qsgd":
+            return QSGD(cfg.bits, seed=seed, rank=rank)
+        case "sign":
+            return Sign()
+        case "powersgd":
+            return LowRank(cfg.rank, seed=seed)
+    raise ValueError(f"compression.kind={cfg.kind!r} has no codec")
+
+
+class CompressionState:
+    """A DDP model's compression: this rank's per-step bytes and its resumable state."""
+
+    def __init__(self, *, kind: str, hook: BucketHook | None, fixed_stats: CommStats) -> None:
+        self.kind = kind
+        self.hook = hook
+        self._fixed_stats = fixed_stats
+
+    @property
+    def stats(self) -> CommStats:
+        """Bytes this rank sent in the last optimizer step, and the dense equivalent."""
+        return self.hook.stats if self.hook is not None else self._fixed_stats
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps compressed so far (0 without a hook)."""
+        return self.hook.step if self.hook is not None else 0
+
+    def state_dict(self) -> dict[str, Any]:
+        hook_state = self.hook.state_dict() if self.hook is not None else {}
+        return {"kind": self.kind, "hook": hook_state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["kind"] != self.kind:
+            raise ValueError(
+                f"compression state is for kind={state['kind']}; this run uses {self.kind}"
+            )
+        if self.hook is not None:
+            self.hook.load_state_dict(state["hook"])
+
+
+def register_compression(
+    ddp_model: nn.Module, cfg: CompressionConfig, *, world_size: int, seed: int
+) -> CompressionState:
+    """Register the hook for `cfg.kind` on `ddp_model`; return its state.
+
+    With one worker nothing is sent and no hook is needed (stats: 0 bytes). With
+    `kind: none` DDP's own all-reduce runs and the stats are its fp32 gradient bytes.
+    """
+    if world_size == 1:
+        return CompressionState(kind=cfg.kind, hook=None, fixed_stats=CommStats())
+    assert isinstance(ddp_model, DistributedDataParallel), "wrap the model in DDP first"
+    model, group = ddp_model.module, ddp_model.process_group
+    if cfg.kind == "none":
+        dense = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        stats = CommStats(bytes_sent=dense, dense_bytes=dense)
+        return CompressionState(kind=cfg.kind, hook=None, fixed_stats=stats)
+    hook: BucketHook
+    if cfg.kind == "powersgd":
+        hook = PowerSGDHook(
+            model,
+            process_group=group,
+            approx_rank=cfg.rank,
+            seed=seed,
+            error_feedback=cfg.error_feedback,
+            min_numel=cfg.min_numel,
+        )
+    else:
+        hook = CodecHook(
+            model,
+            process_group=group,
+            compressor=build_compressor(cfg, seed=seed, rank=dist.get_rank(group)),
+            error_feedback=cfg.error_feedback,
+            min_numel=cfg.min_numel,
+        )
+    ddp_model.register_comm_hook(state=None, hook=hook.communicate)
+    return CompressionState(kind=cfg.kind, hook=hook, fixed_stats=CommStats())

@@ -1,0 +1,410 @@
+"""DeepSpeed ZeRO: optimizer state (stage 1), gradients (2) and parameters (3) sharded
+over the data-parallel ranks, optionally offloaded to host memory.
+
+The job spec is the one source of truth: `deepspeed_config` derives DeepSpeed's
+config from it and merges the spec's raw `deepspeed:` section last. trainstack builds
+the optimizer and LR schedule (runtime/optim.py) and hands both to DeepSpeed, which
+then runs accumulation (loss scaled by 1/A, one optimizer step per A micro-batches),
+clipping, the optimizer step and the schedule step, so a step means what it means
+under DDPStrategy.
+
+DeepSpeed is imported inside `setup`: importing it is slow and prints a notice.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainstack.checkpoint import Checkpoint
+from trainstack.config import JobConfig
+from trainstack.runtime.optim import build_optimizer, build_scheduler, scaled_lr
+from trainstack.strategies.base import (
+    Batch,
+    StepOutput,
+    WorkerContext,
+    fast_forward_schedule,
+    next_token_loss,
+    storage_bytes,
+    tensors_in,
+)
+
+# DeepSpeed optimizer-state keys holding objects `torch.load(weights_only=True)` refuses:
+# the loss scaler (a static scale of 1 under fp32 and bf16, so the live one is put back
+# on load) and the parameter-slice map that only universal checkpoints read.
+_UNSAVED_OPTIMIZER_KEYS = ("loss_scaler", "param_slice_mappings")
+
+
+def deepspeed_config(cfg: JobConfig) -> dict[str, Any]:
+    """DeepSpeed's config for `cfg`: derived from the spec, then `cfg.deepspeed` deep-merged."""
+    s = cfg.strategy
+    zero: dict[str, Any] = {
+        "stage": s.stage,
+        "overlap_comm": s.overlap_comm,
+        "reduce_bucket_size": s.reduce_bucket_size,
+    }
+    if s.offload_optimizer != "none":
+        zero["offload_optimizer"] = {"device": s.offload_optimizer}
+    if s.offload_param != "none":
+        zero["offload_param"] = {"device": s.offload_param}
+    derived = {
+        "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum_steps,
+        "gradient_clipping": cfg.optim.grad_clip,
+        "bf16": {"enabled": cfg.train.precision == "bf16"},
+        "zero_optimization": zero,
+        "log_level": "warning",  # trainstack reports progress itself
+    }
+    return _deep_merge(derived, cfg.deepspeed)
+
+
+def zero_model_state_formula(psi: int, n: int, stage: int, precision: str) -> int:
+    """Bytes of model state one of `n` ranks holds for `psi` parameters under Adam.
+
+    What DeepSpeed 0.19.8 allocates (runtime/zero/stage_1_and_2.py, stage3.py), as
+    measured by `ZeROStrategy.model_state_bytes` (e = 4 bytes in fp32, 2 in bf16):
+
+    - parameters: the model's own copy in the training dtype, e*psi; stage 3 keeps
+      only this rank's partition, e*psi/n.
+    - gradients, in the training dtype: stage 1 accumulates them full-size until the
+      accumulation boundary (e*psi); stages 2 and 3 reduce every micro-batch into
+      this rank's partition (e*psi/n). (With one micro-batch per step stage 1 also
+      ends the backward pass holding only e*psi/n.)
+    - optimizer: an fp32 "master" partition that the optimizer updates, 4*psi/n,
+      plus Adam's two moments, 8*psi/n. The master copy exists in fp32 too: DeepSpeed
+      clones this rank's partition (`weights_partition = ....clone()`) whatever the
+      dtype, so fp32 ZeRO holds 4*psi/n more than the textbook 16*psi/n.
+
+    So in fp32: stage 1 8psi + 12psi/n, stage 2 4psi + 16psi/n, stage 3 20psi/n;
+    in bf16: stage 1 4psi + 12psi/n, stage 2 2psi + 14psi/n, stage 3 16psi/n.
+    Stage 0 is trainstack's DDP: fp32 weights (bf16 is autocast), grads and Adam
+    moments all replicated, 16psi. Alignment padding (a few elements) is ignored.
+    """
+    assert stage in (0, 1, 2, 3) and precision in ("fp32", "bf16"), (stage, precision)
+    if stage == 0:
+        return 16 * psi
+    e = 4 if precision == "fp32" else 2
+    params = e * psi if stage < 3 else e * psi // n
+    grads = e * psi if stage == 1 else e * psi // n
+    optimizer = 4 * psi // n + 8 * psi // n
+    return params + grads + optimizer
+
+
+class ZeROStrategy:
+    name = "zero"
+
+    def __init__(self, cfg: JobConfig, ctx: WorkerContext) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.engine: Any = None
+        """deepspeed.DeepSpeedEngine, built by `setup`."""
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self._peak_grad_bytes = 0
+
+    def setup(self, model: nn.Module) -> None:
+        import deepspeed
+
+        if self.ctx.device.type == "cpu":
+            # DeepSpeed's torch backend JIT-compiles its shared-memory all-reduce (about a
+            # minute) whenever it wraps a process group on CPU, though only inference
+            # uses it; marking it unavailable keeps training on the gloo group we made.
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        _ensure_process_group(self.ctx.device)
+        # DeepSpeed takes its device from LOCAL_RANK and refuses to start without it.
+        index = self.ctx.device.index
+        os.environ["LOCAL_RANK"] = str(self.ctx.local_rank if index is None else index)
+        model.to(self.ctx.device)
+        lr = scaled_lr(self.cfg.optim, data_parallel_size=self.ctx.world_size)
+        optimizer = self._build_optimizer(model, lr=lr)
+        self.scheduler = build_scheduler(
+            optimizer, self.cfg.optim, total_steps=self.cfg.train.steps
+        )
+        self.engine, *_ = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=self.scheduler,
+            config=deepspeed_config(self.cfg),
+            dist_init_required=False,
+        )
+
+    def _build_optimizer(self, model: nn.Module, *, lr: float) -> torch.optim.Optimizer:
+        optimizer = build_optimizer(model, self.cfg.optim, lr=lr)
+        if self.cfg.strategy.offload_optimizer == "none":
+            return optimizer
+        # Offloaded, the step runs on the host; DeepSpeed insists on its CPU Adam (a
+        # C++ op compiled on first use into $TORCH_EXTENSIONS_DIR).
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        assert self.cfg.optim.kind == "adamw", "config validation admits only adamw"
+        groups = [
+            {"params": g["params"], "weight_decay": g["weight_decay"]}
+            for g in optimizer.param_groups
+        ]
+        return DeepSpeedCPUAdam(groups, lr=lr, betas=self.cfg.optim.betas, adamw_mode=True)
+
+    def unwrapped_model(self) -> nn.Module:
+        """The model DeepSpeed trains; under stage 3 its parameters are partitioned
+        (use `checkpoint_files()["model.pt"]` for full weights)."""
+        module: nn.Module = self._engine().module
+        return module
+
+    def _engine(self) -> Any:
+        assert self.engine is not None and self.scheduler is not None, "setup() first"
+        return self.engine
+
+    def train_step(self, micro_batches: list[Batch]) -> StepOutput:
+        engine = self._engine()
+        assert self.scheduler is not None
+        accum = len(micro_batches)
+        assert accum == engine.gradient_accumulation_steps(), (accum, "micro-batches per step")
+        lr = float(self.scheduler.get_last_lr()[0])
+        total = torch.zeros((), device=self.ctx.device)
+        for x, y in micro_batches:
+            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+            loss = next_token_loss(engine(x), y)
+            engine.backward(loss)  # scales by 1/accum; reduces (stage 2, 3) or accumulates
+            self._peak_grad_bytes = max(self._peak_grad_bytes, self._held_grad_bytes())
+            engine.step()  # optimizer and schedule step on the accumulation boundary only
+            total += loss.detach().float()
+        grad_norm = engine.get_global_grad_norm()
+        return StepOutput(
+            loss=total / accum,
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            lr=lr,
+        )
+
+    @torch.no_grad()
+    def eval_loss(self, batches: list[Batch]) -> tuple[float, int]:
+        model = self.unwrapped_model()  # stage 3's hooks gather parameters as it runs
+        model.eval()
+        sums = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
+        for x, y in batches:
+            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+            loss = next_token_loss(model(x), y)
+            sums[0] += loss.double() * y.numel()
+            sums[1] += y.numel()
+        model.train()
+        if self.cfg.strategy.stage == 3:
+            # A forward without backward leaves ZeRO-3's gathered parameters whole.
+            self._engine().empty_partition_cache()
+        dist.all_reduce(sums)
+        return float(sums[0]), int(sums[1])
+
+    def global_mean(self, value: torch.Tensor) -> float:
+        value = value.detach().to(self.ctx.device, torch.float64).clone()
+        dist.all_reduce(value)
+        return float(value) / self.ctx.world_size
+
+    def comm_bytes_per_step(self) -> int:
+        """Modelled: a reduce-scatter or all-gather of the whole model sends (N-1)/N of it.
+
+        Stage 1 reduce-scatters gradients once per step and all-gathers the updated
+        parameters; stage 2 reduce-scatters after every micro-batch; stage 3 also
+        all-gathers parameters for every forward and every backward.
+        """
+        n = self.ctx.world_size
+        psi = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self._params())
+        element = 2 if self.cfg.train.precision == "bf16" else 4
+        one_pass = (n - 1) * psi * element // n
+        accum = self._engine().gradient_accumulation_steps()
+        passes = {1: 2, 2: accum + 1, 3: 3 * accum}[self.cfg.strategy.stage]
+        return passes * one_pass
+
+    def _params(self) -> list[nn.Parameter]:
+        return [p for p in self.unwrapped_model().parameters() if p.requires_grad]
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """This rank's bytes of model state, measured from the tensors DeepSpeed holds.
+
+        params: the model's parameter storage (stage 3: its partitions, `ds_tensor`).
+        grads: the most gradient storage seen after any backward pass (full-size
+        accumulation buffers under stage 1, this rank's partition under 2 and 3).
+        optimizer: the fp32 master partitions and the optimizer's state tensors.
+        Storage shared between tensors is counted once.
+        """
+        zero_optimizer = self._engine().optimizer
+        params = self._params()
+        partitions = [getattr(p, "ds_tensor") for p in params if _is_zero3(p)]  # noqa: B009
+        held_params = [p.data for p in params] + partitions
+        optimizer_state = [
+            *_master_partitions(zero_optimizer),
+            *tensors_in(zero_optimizer.optimizer.state),
+        ]
+        return {
+            "params": storage_bytes(held_params),
+            "grads": self._peak_grad_bytes,
+            "optimizer": storage_bytes(optimizer_state),
+        }
+
+    def _held_grad_bytes(self) -> int:
+        """Bytes of every gradient buffer alive now: the model's `.grad`s and ZeRO's own."""
+        zero_optimizer = self._engine().optimizer
+        grads = [p.grad for p in self._params() if p.grad is not None]
+        # DeepSpeed's gradient holders (stage 1/2: averaged_gradients, all_grad_tensors,
+        # grads_in_partition; stage 3: grad_partitions_flat_buffer, averaged_gradients).
+        for name in (
+            "averaged_gradients",
+            "all_grad_tensors",
+            "grads_in_partition",
+            "grad_partitions_flat_buffer",
+        ):
+            grads += tensors_in(getattr(zero_optimizer, name, None))
+        grads += [m.grad for m in _master_partitions(zero_optimizer) if m.grad is not None]
+        return storage_bytes(grads)
+
+    def checkpoint_files(self) -> dict[str, Any]:
+        """Rank 0: `model.pt` (full fp32 weights) and `scheduler.pt`; every rank: its
+        optimizer shard. A collective: gathering the weights needs every rank."""
+        engine = self._engine()
+        assert self.scheduler is not None
+        weights = self._full_fp32_weights()
+        shard = {
+            key: _plain(value)
+            for key, value in engine.optimizer.state_dict().items()
+            if key not in _UNSAVED_OPTIMIZER_KEYS
+        }
+        files: dict[str, Any] = {_shard_name(self.ctx.rank): shard}
+        if self.ctx.rank == 0:
+            files["model.pt"] = weights
+            files["scheduler.pt"] = self.scheduler.state_dict()
+        return files
+
+    def _full_fp32_weights(self) -> dict[str, torch.Tensor]:
+        """The model's state dict (same keys as the bare model's) with every parameter
+        whole and in fp32, from the optimizer's fp32 partitions. A collective."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        module = self.unwrapped_model()
+        full: dict[int, torch.Tensor] = {}
+        for p in self._params():  # each tensor once: tied weights share one
+            shape = getattr(p, "ds_shape") if _is_zero3(p) else p.shape  # noqa: B009
+            full[id(p)] = safe_get_full_fp32_param(p).detach().reshape(shape).cpu().clone()
+        return {
+            key: full[id(value)] if id(value) in full else value.detach().cpu().clone()
+            for key, value in module.state_dict(keep_vars=True).items()
+        }
+
+    def load_checkpoint(self, checkpoint: Checkpoint) -> list[str]:
+        engine = self._engine()
+        assert self.scheduler is not None
+        weights = checkpoint.load("model.pt")
+        reason = self._why_not_exact(checkpoint)
+        if reason is None:
+            self._load_exact(checkpoint, weights)
+            self.scheduler.load_state_dict(checkpoint.load("scheduler.pt"))
+            notes = []
+        else:
+            self._load_weights(weights)
+            fast_forward_schedule(self.scheduler, step=checkpoint.step)
+            notes = [f"optimizer state re-initialised ({reason})"]
+        engine.global_steps = checkpoint.step
+        engine.global_samples = checkpoint.samples_seen
+        return notes
+
+    def _why_not_exact(self, checkpoint: Checkpoint) -> str | None:
+        """Why this checkpoint's optimizer shards cannot be loaded here, or None if they can."""
+        manifest = checkpoint.manifest
+        source = manifest.get("strategy")
+        if source != self.name:
+            return f"the checkpoint is from {source}"
+        ranks = manifest["world"]["world_size"]
+        if ranks != self.ctx.world_size:
+            return f"the checkpoint has {ranks} ranks, this run {self.ctx.world_size}"
+        saved = manifest["spec"]["strategy"]
+        for key in ("stage", "offload_optimizer"):
+            if saved[key] != getattr(self.cfg.strategy, key):
+                mine = getattr(self.cfg.strategy, key)
+                return f"the checkpoint has strategy.{key}={saved[key]}, this run {mine}"
+        if not (checkpoint.has(_shard_name(self.ctx.rank)) and checkpoint.has("scheduler.pt")):
+            return "the checkpoint has no optimizer shard for this rank"
+        return None
+
+    def _load_exact(self, checkpoint: Checkpoint, weights: dict[str, torch.Tensor]) -> None:
+        """Same layout: this rank's shard restores master weights and optimizer state."""
+        zero_optimizer = self._engine().optimizer
+        shard = checkpoint.load(_shard_name(self.ctx.rank))
+        shard["loss_scaler"] = zero_optimizer.loss_scaler
+        shards: list[dict[str, Any] | None] = [None] * self.ctx.world_size
+        shards[self.ctx.rank] = shard  # ZeRO reads its own rank's entry
+        if self.cfg.strategy.stage == 3:
+            # Partitioned parameters are rebuilt from the fp32 master partitions.
+            zero_optimizer.checkpoint_event_prologue()
+            zero_optimizer.load_state_dict(shards, load_optimizer_states=True)
+            zero_optimizer.checkpoint_event_epilogue()
+        else:
+            self.unwrapped_model().load_state_dict(weights)  # the working (bit16/fp32) copy
+            zero_optimizer.load_state_dict(
+                shards, load_optimizer_states=True, load_from_fp32_weights=True
+            )
+
+    def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Full fp32 weights into both the model's copy and the fp32 master partitions."""
+        import deepspeed
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        module = self.unwrapped_model()
+        if self.cfg.strategy.stage == 3:
+            params = list(module.parameters())
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+                if self.ctx.rank == 0:
+                    module.load_state_dict(weights)  # broadcast and re-partitioned on exit
+        else:
+            module.load_state_dict(weights)
+        for name, p in module.named_parameters():
+            if p.requires_grad:
+                safe_set_full_fp32_param(p, weights[name].to(self.ctx.device))
+
+
+def _ensure_process_group(device: torch.device) -> None:
+    """DeepSpeed needs torch.distributed even for one worker: give it a one-rank group."""
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _is_zero3(p: nn.Parameter) -> bool:
+    return hasattr(p, "ds_tensor")
+
+
+def _master_partitions(zero_optimizer: Any) -> list[torch.Tensor]:
+    """The fp32 partitions the optimizer updates (stage 1/2 and stage 3 name them apart)."""
+    found = getattr(zero_optimizer, "single_partition_of_fp32_groups", None)
+    if found is None:
+        found = zero_optimizer.fp32_partitioned_groups_flat
+    return list(found)
+
+
+def _shard_name(rank: int) -> str:
+    return f"optimizer/rank_{rank:05d}.pt"
+
+
+def _deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _plain(value: Any) -> Any:
+    """`value` in types `torch.load(weights_only=True)` accepts: enums become their
+    values, other mappings dicts, named tuples lists; anything else is refused."""
+    if isinstance(value, enum.Enum):
+        return _plain(value.value)
+    if isinstance(value, torch.Tensor | str | int | float | bool | None):
+        return value
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    if type(value) is tuple:
+        return tuple(_plain(item) for item in value)
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    raise TypeError(f"cannot checkpoint a {type(value).__name__} with weights_only=True")
