@@ -232,14 +232,19 @@ def _flatten(spec: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     return flat
 
 
-def _finite_numbers(values: Mapping[str, Any]) -> dict[str, float]:
-    return {
-        key: float(value)
-        for key, value in values.items()
-        if isinstance(value, numbers.Real)
-        and not isinstance(value, bool)
-        and math.isfinite(float(value))
-    }
+def _finite_numbers(values: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """Finite numbers of `values`; nested mappings become `outer.inner` keys."""
+    out: dict[str, float] = {}
+    for key, value in values.items():
+        if isinstance(value, Mapping):
+            out.update(_finite_numbers(value, prefix=f"{prefix}{key}."))
+        elif (
+            isinstance(value, numbers.Real)
+            and not isinstance(value, bool)
+            and math.isfinite(float(value))
+        ):
+            out[prefix + key] = float(value)
+    return out
 
 
 def _git_commit() -> str | None:

@@ -136,11 +136,16 @@ class RunFollower:
                 self.display.update({**record, "restarts": self.restarts})
         elif event == "start":
             self.starts.append(record)
-            if self.restarts and self.display is not None:
-                self.display.note(
-                    f"worker group restarted ({self.restarts}), resuming from step "
-                    f"{record['resumed_from_step']}"
-                )
+            if self.display is not None:
+                if self.restarts:
+                    self.display.note(
+                        f"worker group restarted ({self.restarts}), resuming from step "
+                        f"{record['resumed_from_step']}"
+                    )
+                elif record["resumed_from_step"]:
+                    self.display.note(f"resuming from step {record['resumed_from_step']}")
+                for note in record.get("notes", []):
+                    self.display.note(note)
         elif event == "fault":
             self.faults.append(record)
         elif event == "failure":

@@ -25,6 +25,7 @@ from trainstack.metrics import ThroughputMeter, device_peak_flops, mfu, peak_mem
 from trainstack.models import build_model
 from trainstack.runtime.faults import FaultInjector
 from trainstack.strategies import Strategy, WorkerContext, build_strategy
+from trainstack.strategies.base import StepOutput
 
 LogFn = Callable[[dict[str, Any]], None]
 
@@ -75,13 +76,14 @@ def train(
 
     strategy = build_strategy(cfg, ctx)
     strategy.setup(model)
-    restored = _restore(cfg, ctx, strategy, run_dir=run_dir, resume_from=resume_from)
+    restored, notes = _restore(cfg, ctx, strategy, run_dir=run_dir, resume_from=resume_from)
     start_step = restored.step if restored else 0
     if ctx.rank == 0:
         emit(
             {
                 "event": "start",
                 "resumed_from_step": start_step,
+                "notes": notes,
                 "worker_entered": entered,
                 "time": time.time(),
             }
@@ -152,6 +154,7 @@ def train(
                 "mfu": achieved_mfu(window["tokens_per_s"]),
                 "peak_mem_bytes": peak_memory_bytes(ctx.device),
                 "elapsed_s": time.perf_counter() - run_start,
+                **_comm_metrics(out),
             }
             if ctx.rank == 0:
                 emit(record)
@@ -195,9 +198,18 @@ def train(
         "peak_mem_bytes": peak_memory_bytes(ctx.device),
         "model_state_bytes": strategy.model_state_bytes(),
         "train_s": train_s,
+        **_comm_metrics(out),
     }
     save(cfg.train.steps, summary)
     return TrainOutcome(summary=summary, strategy=strategy)
+
+
+def _comm_metrics(out: StepOutput) -> dict[str, Any]:
+    """Measured bytes of the step, where the strategy measures them (every rank sends the
+    same amount, so rank 0's figures stand for the group)."""
+    if out.bytes_on_wire is None:
+        return {}
+    return {"bytes_on_wire": out.bytes_on_wire, "compression_ratio": out.compression_ratio}
 
 
 def _rng_file(rank: int) -> str:
@@ -245,8 +257,9 @@ def _restore(
     *,
     run_dir: Path,
     resume_from: Path | None,
-) -> ckpt.Checkpoint | None:
-    """Load the newest valid checkpoint of this run (else `resume_from`) into the strategy.
+) -> tuple[ckpt.Checkpoint | None, list[str]]:
+    """Load the newest valid checkpoint of this run (else `resume_from`) into the strategy;
+    return it and the strategy's notes on what it could not restore.
 
     Rank 0 chooses and verifies; the others follow its choice.
     """
@@ -260,13 +273,13 @@ def _restore(
         dist.broadcast_object_list(choice, src=0)
     if choice[0] is None:
         torch.manual_seed(cfg.train.seed + 1 + ctx.rank)  # dropout differs per rank, repeatably
-        return None
+        return None, []
     restored = ckpt.read(Path(choice[0]))
-    strategy.load_checkpoint(restored)
+    notes = strategy.load_checkpoint(restored)
     rng = _rng_file(ctx.rank)
     same_layout = restored.manifest["world"]["world_size"] == ctx.world_size
     if same_layout and restored.has(rng):
         ckpt.set_rng_state(restored.load(rng))
     else:
         torch.manual_seed(cfg.train.seed + 1 + ctx.rank + 1_000_003 * restored.step)
-    return restored
+    return restored, notes

@@ -45,6 +45,10 @@ class StepOutput:
     """Global gradient norm before clipping."""
     lr: float
     """Learning rate used for this step."""
+    bytes_on_wire: int | None = None
+    """Bytes this rank passed to collectives this step (None: the strategy does not measure)."""
+    compression_ratio: float | None = None
+    """Dense fp32 gradient bytes / bytes_on_wire."""
 
 
 class Strategy(Protocol):

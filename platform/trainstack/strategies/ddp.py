@@ -1,7 +1,9 @@
 """Data parallelism with torch DistributedDataParallel (gloo on CPU, NCCL on GPU).
 
 Gradient accumulation skips the all-reduce (`no_sync`) on every micro-batch but the
-last, so one optimizer step costs one all-reduce of the gradients.
+last, so one optimizer step costs one all-reduce of the gradients. With a
+`compression:` section, a communication hook sends the compressed gradients instead
+and counts the bytes it really sent.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainstack.checkpoint import Checkpoint
+from trainstack.compression import CompressionState, register_compression
 from trainstack.config import JobConfig
 from trainstack.runtime.optim import build_optimizer, build_scheduler, scaled_lr
 from trainstack.strategies.base import (
@@ -39,6 +42,7 @@ class DDPStrategy:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self._peak_grad_bytes = 0
+        self.compression: CompressionState | None = None
 
     def setup(self, model: nn.Module) -> None:
         model.to(self.ctx.device)
@@ -47,6 +51,9 @@ class DDPStrategy:
             model = DistributedDataParallel(
                 model, device_ids=device_ids, bucket_cap_mb=self.cfg.strategy.bucket_cap_mb
             )
+        self.compression = register_compression(
+            model, self.cfg.compression, world_size=self.ctx.world_size, seed=self.cfg.train.seed
+        )
         self.model = model
         lr = scaled_lr(self.cfg.optim, data_parallel_size=self.ctx.world_size)
         self.optimizer = build_optimizer(self.unwrapped_model(), self.cfg.optim, lr=lr)
@@ -85,7 +92,15 @@ class DDPStrategy:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepOutput(loss=total / accum, grad_norm=float(grad_norm), lr=lr)
+        assert self.compression is not None
+        stats = self.compression.stats  # what the hook sent in this step's backward
+        return StepOutput(
+            loss=total / accum,
+            grad_norm=float(grad_norm),
+            lr=lr,
+            bytes_on_wire=stats.bytes_sent,
+            compression_ratio=stats.ratio,
+        )
 
     @torch.no_grad()
     def eval_loss(self, batches: list[Batch]) -> tuple[float, int]:
@@ -110,31 +125,52 @@ class DDPStrategy:
         return float(value) / self.ctx.world_size
 
     def comm_bytes_per_step(self) -> int:
+        if self.cfg.compression.kind != "none":
+            assert self.compression is not None, "setup() first"
+            return self.compression.stats.wire_bytes(self.ctx.world_size)
         params = [p for p in self.unwrapped_model().parameters() if p.requires_grad]
         numel = sum(p.numel() for p in params)
         return ring_allreduce_bytes(numel, element_size=4, world_size=self.ctx.world_size)
 
     def checkpoint_files(self) -> dict[str, Any]:
-        """Replicas are identical, so rank 0 writes everything."""
+        """Replicas are identical, so rank 0 writes the model and optimizer; compression
+        residuals differ per rank, so every rank writes its own."""
         assert self.optimizer is not None and self.scheduler is not None, "setup() first"
-        if self.ctx.rank != 0:
-            return {}
-        return {
-            "model.pt": self.unwrapped_model().state_dict(),
-            "optimizer.pt": self.optimizer.state_dict(),
-            "scheduler.pt": self.scheduler.state_dict(),
-        }
+        assert self.compression is not None, "setup() first"
+        files: dict[str, Any] = {}
+        if self.ctx.rank == 0:
+            files["model.pt"] = self.unwrapped_model().state_dict()
+            files["optimizer.pt"] = self.optimizer.state_dict()
+            files["scheduler.pt"] = self.scheduler.state_dict()
+        if self.cfg.compression.kind != "none":
+            files[_compression_file(self.ctx.rank)] = self.compression.state_dict()
+        return files
 
     def load_checkpoint(self, checkpoint: Checkpoint) -> list[str]:
         assert self.optimizer is not None and self.scheduler is not None, "setup() first"
         self.unwrapped_model().load_state_dict(checkpoint.load("model.pt"))
+        notes = self._load_compression(checkpoint)
         same_kind = checkpoint.manifest.get("strategy") == self.name
         if not (same_kind and checkpoint.has("optimizer.pt") and checkpoint.has("scheduler.pt")):
             fast_forward_schedule(self.scheduler, step=checkpoint.step)
             source = checkpoint.manifest.get("strategy")
-            return [f"optimizer state re-initialised (the checkpoint is from {source})"]
+            return [*notes, f"optimizer state re-initialised (the checkpoint is from {source})"]
         self.optimizer.load_state_dict(checkpoint.load("optimizer.pt"))
         self.scheduler.load_state_dict(checkpoint.load("scheduler.pt"))
+        return notes
+
+    def _load_compression(self, checkpoint: Checkpoint) -> list[str]:
+        assert self.compression is not None, "setup() first"
+        if self.cfg.compression.kind == "none":
+            return []
+        name = _compression_file(self.ctx.rank)
+        saved_world = checkpoint.manifest["world"]["world_size"]
+        if saved_world != self.ctx.world_size or not checkpoint.has(name):
+            return ["compression residuals re-initialised (none saved for this rank and layout)"]
+        state = checkpoint.load(name)
+        if state["kind"] != self.cfg.compression.kind:
+            return [f"compression state re-initialised (the checkpoint used {state['kind']})"]
+        self.compression.load_state_dict(state)
         return []
 
     def model_state_bytes(self) -> dict[str, int]:
@@ -147,3 +183,7 @@ class DDPStrategy:
             "grads": self._peak_grad_bytes,
             "optimizer": storage_bytes(tensors_in(self.optimizer.state)),
         }
+
+
+def _compression_file(rank: int) -> str:
+    return f"compression/rank_{rank:05d}.pt"
