@@ -278,9 +278,15 @@ def find_start(
         warn(f"{run_dir}: no checkpoint verifies; starting fresh (checkpoint.on_corrupt=restart)")
     if resume_from is None:
         return None
-    if (resume_from / MANIFEST).exists():
-        return verify(resume_from)
-    chosen, _ = latest_valid(resume_from, warn=warn)
+    return resolve(resume_from, warn=warn)
+
+
+def resolve(path: Path, *, warn: Callable[[str], None] = warn) -> Checkpoint:
+    """`path` as a checkpoint: the directory itself if it has a manifest, else the newest
+    valid checkpoint of the run directory `path`. Raises CheckpointError."""
+    if (path / MANIFEST).exists():
+        return verify(path)
+    chosen, _ = latest_valid(path, warn=warn)
     if chosen is None:
-        raise CheckpointError(f"--resume-from {resume_from}: no valid checkpoint there")
+        raise CheckpointError(f"{path}: no valid checkpoint there")
     return chosen

@@ -96,6 +96,27 @@ def _train(
     return 0
 
 
+def export_command(args: argparse.Namespace) -> int:
+    """Verify a checkpoint and write its consolidated weights (`model.pt`) to --out."""
+    import torch
+
+    from trainstack.checkpoint import CheckpointError, resolve
+
+    try:
+        found = resolve(Path(args.checkpoint).expanduser().resolve())
+    except CheckpointError as err:
+        return _error(str(err), code=2)
+    state = found.load("model.pt")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    torch.save(state, tmp)
+    tmp.replace(out)
+    numel = sum(t.numel() for t in state.values())
+    print(f"trainstack: wrote {out} ({len(state)} tensors, {numel:,} values) from {found.path}")
+    return 0
+
+
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -109,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="train a job spec on Ray")
     add_run_arguments(run, config_flag=False)
     run.set_defaults(handler=run_command)
+    export = commands.add_parser(
+        "export", help="write a checkpoint's full fp32 weights as one state dict"
+    )
+    export.add_argument("checkpoint", help="a checkpoint directory, or a run directory")
+    export.add_argument("--out", required=True, help="where to write the state dict (.pt)")
+    export.set_defaults(handler=export_command)
     return parser
 
 

@@ -77,6 +77,15 @@ class FailureWatch(ray.train.UserCallback):
             )
 
 
+def worker_env(cfg: JobConfig) -> dict[str, str]:
+    """Environment the workers need that a `ray start` cluster would not give them."""
+    env: dict[str, str] = {}
+    if cfg.strategy.kind == "zero":  # DeepSpeed's JIT-built ops (cpu_adam): build once, reuse
+        cache = os.environ.get("TORCH_EXTENSIONS_DIR") or ".cache/torch_extensions"
+        env["TORCH_EXTENSIONS_DIR"] = str(Path(cache).resolve())
+    return env
+
+
 def _quiet_report_logs() -> None:
     """Ray Train logs every report() at INFO, metrics and all, under loggers named by
     file path (outside `ray.train`'s level setting); rank 0's progress says it better."""
@@ -224,6 +233,7 @@ def run_job(
             failure_config=ray.train.FailureConfig(max_failures=cfg.failure.max_failures),
             callbacks=[FailureWatch(events)],  # type: ignore[list-item]
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # type: ignore[call-arg]
+            worker_runtime_env={"env_vars": worker_env(cfg)},
         ),
     )
     outcome: dict[str, Any] = {}
