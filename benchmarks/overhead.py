@@ -114,12 +114,14 @@ def main() -> None:
     parser.add_argument("--config", default=str(ROOT / "jobs/configs/demo.yaml"))
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", default=str(ROOT / ".cache/bench/overhead.json"))
     args = parser.parse_args()
     cfg = load_config(
         args.config,
         [
             f"train.steps={args.steps}",
+            f"scaling.num_workers={args.workers}",
             "log.every_steps=1000000",
             "log.progress=quiet",
             "data.eval_samples=0",

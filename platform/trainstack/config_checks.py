@@ -1,0 +1,372 @@
+"""Validation of the job spec: ranges, allowed values and cross-section rules.
+
+Every check raises `ConfigError` with one line: the dotted key, the value, what is
+allowed and, where it helps, a hint. The allowed-value tuples live here too.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from typing import TYPE_CHECKING, Any
+
+from trainstack.config_fields import ConfigError, show
+
+if TYPE_CHECKING:
+    from trainstack.config import (
+        CheckpointConfig,
+        DataConfig,
+        JobConfig,
+        ModelConfig,
+        OptimConfig,
+        ScalingConfig,
+        TrainConfig,
+    )
+
+# ---- allowed values (other modules may extend these) ---------------------------
+
+MODEL_KINDS: tuple[str, ...] = ("gpt", "mlp")
+DATA_KINDS: tuple[str, ...] = ("markov",)
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
+OPTIM_KINDS: tuple[str, ...] = ("adamw", "sgd")
+LR_SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
+LR_SCALINGS: tuple[str, ...] = ("none", "linear", "sqrt")
+STRATEGY_KINDS: tuple[str, ...] = ("ddp", "zero")
+COMPRESSION_KINDS: tuple[str, ...] = (
+    "none",
+    "fp16",
+    "bf16",
+    "topk",
+    "randk",
+    "qsgd",
+    "sign",
+    "powersgd",
+)
+QSGD_BITS: tuple[int, ...] = (2, 4, 8)
+OFFLOAD_DEVICES: tuple[str, ...] = ("none", "cpu")
+
+# Top-level keys DeepSpeed 0.19.8 reads from its config, collected once from its
+# source: every key `DeepSpeedConfig._initialize_params` (deepspeed/runtime/config.py,
+# constants in deepspeed/runtime/constants.py) and its sub-configs look up, plus the
+# ones `deepspeed.initialize` reads (data_parallel_size, sequence_parallel_size).
+DEEPSPEED_CONFIG_KEYS: tuple[str, ...] = (
+    "activation_checkpointing",
+    "aio",
+    "amp",
+    "autotuning",
+    "bf16",
+    "bfloat16",
+    "checkpoint",
+    "comet",
+    "comms_logger",
+    "communication_data_type",
+    "compile",
+    "compression_training",
+    "csv_monitor",
+    "curriculum_learning",
+    "data_efficiency",
+    "data_parallel_size",
+    "data_types",
+    "dataloader_drop_last",
+    "datastates_ckpt",
+    "disable_allgather",
+    "disable_python_gc",
+    "dump_state",
+    "eigenvalue",
+    "elasticity",
+    "expert_parallel",
+    "flops_profiler",
+    "fp16",
+    "gradient_accumulation_steps",
+    "gradient_allreduce_op",
+    "gradient_clipping",
+    "gradient_predivide_factor",
+    "graph_harvesting",
+    "hybrid_engine",
+    "log_level",
+    "managed_gradient_accumulation",
+    "memory_breakdown",
+    "nebula",
+    "optimizer",
+    "pipeline",
+    "prescale_gradients",
+    "progressive_layer_drop",
+    "quantize_training",
+    "scheduler",
+    "seq_parallel_communication_data_type",
+    "sequence_parallel_size",
+    "sparse_attention",
+    "sparse_gradients",
+    "steps_per_print",
+    "tensor_parallel",
+    "tensorboard",
+    "timers",
+    "torch_autocast",
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "use_data_before_expert_parallelism",
+    "vocabulary_size",
+    "wall_clock_breakdown",
+    "wandb",
+    "weight_quantization",
+    "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
+    "zero_optimization",
+)
+# DeepSpeed keys the zero strategy derives from the spec -> the spec key to set instead.
+DEEPSPEED_DERIVED_KEYS: dict[str, str] = {
+    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.global_batch_size (accumulation follows from it)",
+    "train_batch_size": "train.global_batch_size",
+    "optimizer": "optim.kind and the optim section",
+    "scheduler": "optim.schedule and the optim section",
+    "gradient_clipping": "optim.grad_clip",
+    "bf16": "train.precision",
+    "bfloat16": "train.precision",
+    "fp16": "train.precision",
+}
+DEEPSPEED_DERIVED_ZERO_KEYS: tuple[str, ...] = (
+    "stage",
+    "offload_optimizer",
+    "offload_param",
+    "overlap_comm",
+    "reduce_bucket_size",
+)
+TRACKING_BACKENDS: tuple[str, ...] = ("mlflow", "none")
+CORRUPT_CHECKPOINT_ACTIONS: tuple[str, ...] = ("fail", "restart")
+PROGRESS_MODES: tuple[str, ...] = ("auto", "bar", "lines", "jsonl", "quiet")
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+NAME_MAX_CHARS = 100
+MAX_BLOCK_SIZE = 8192
+MAX_VOCAB_SIZE = 65536
+MAX_MARKOV_ORDER = 3
+MAX_MARKOV_STATES = 2**20
+MAX_SEED = 2**32 - 1
+
+
+# ---- validation -----------------------------------------------------------------
+
+
+def validate(cfg: JobConfig) -> None:
+    """Raise ConfigError for out-of-range values and inconsistent combinations."""
+    _validate_name(cfg.name)
+    _validate_model(cfg.model)
+    _validate_data(cfg.data)
+    _validate_train(cfg.train)
+    _validate_optim(cfg.optim)
+    _validate_strategy(cfg)
+    _validate_compression(cfg)
+    _validate_scaling(cfg.scaling)
+    _validate_checkpoint(cfg.checkpoint)
+    _validate_faults(cfg)
+    max_failures = cfg.failure.max_failures
+    _require("failure.max_failures", max_failures >= -1, max_failures, ">= -1 (-1: unlimited)")
+    _check_choice("tracking.backend", cfg.tracking.backend, TRACKING_BACKENDS)
+    _require("log.every_steps", cfg.log.every_steps >= 1, cfg.log.every_steps, ">= 1")
+    _check_choice("log.progress", cfg.log.progress, PROGRESS_MODES)
+    _validate_cross_section(cfg)
+
+
+def _validate_name(name: str) -> None:
+    if len(name) > NAME_MAX_CHARS or not NAME_PATTERN.fullmatch(name):
+        raise ConfigError(
+            f"name={show(name)} is not a valid run name; allowed: letters, digits, '.', '_' "
+            f"and '-', starting with a letter or digit, at most {NAME_MAX_CHARS} characters"
+        )
+
+
+def _validate_model(m: ModelConfig) -> None:
+    _check_choice("model.kind", m.kind, MODEL_KINDS)
+    _require("model.n_layer", m.n_layer >= 1, m.n_layer, ">= 1")
+    _require("model.n_head", m.n_head >= 1, m.n_head, ">= 1")
+    _require("model.n_embd", m.n_embd >= 1, m.n_embd, ">= 1")
+    _require(
+        "model.block_size",
+        2 <= m.block_size <= MAX_BLOCK_SIZE,
+        m.block_size,
+        f"2 to {MAX_BLOCK_SIZE}",
+    )
+    _require("model.dropout", 0 <= m.dropout < 1, m.dropout, "[0, 1)")
+    _require("model.context", m.context >= 1, m.context, ">= 1")
+    if m.kind == "gpt" and m.n_embd % m.n_head:
+        raise ConfigError(
+            f"model.n_embd={m.n_embd} must be divisible by model.n_head={m.n_head}; "
+            f"allowed: a multiple of {m.n_head}, e.g. {_next_multiple(m.n_embd, m.n_head)}"
+        )
+
+
+def _validate_data(d: DataConfig) -> None:
+    _check_choice("data.kind", d.kind, DATA_KINDS)
+    _require(
+        "data.vocab_size",
+        2 <= d.vocab_size <= MAX_VOCAB_SIZE,
+        d.vocab_size,
+        f"2 to {MAX_VOCAB_SIZE}",
+    )
+    _require("data.order", 1 <= d.order <= MAX_MARKOV_ORDER, d.order, f"1 to {MAX_MARKOV_ORDER}")
+    _require("data.concentration", d.concentration > 0, d.concentration, "> 0")
+    _require("data.seed", 0 <= d.seed <= MAX_SEED, d.seed, f"0 to {MAX_SEED}")
+    _require("data.eval_samples", d.eval_samples >= 0, d.eval_samples, ">= 0")
+    states = d.vocab_size**d.order
+    if states > MAX_MARKOV_STATES:
+        raise ConfigError(
+            f"data.vocab_size={d.vocab_size} with data.order={d.order} gives {states} Markov "
+            f"states (vocab_size**order), more than the {MAX_MARKOV_STATES} (2**20) that fit; "
+            "lower data.vocab_size or data.order"
+        )
+
+
+def _validate_train(t: TrainConfig) -> None:
+    _require("train.steps", t.steps >= 1, t.steps, ">= 1")
+    _require("train.global_batch_size", t.global_batch_size >= 1, t.global_batch_size, ">= 1")
+    _require("train.micro_batch_size", t.micro_batch_size >= 1, t.micro_batch_size, ">= 1")
+    _require("train.seed", 0 <= t.seed <= MAX_SEED, t.seed, f"0 to {MAX_SEED}")
+    _check_choice("train.precision", t.precision, PRECISIONS)
+
+
+def _validate_optim(o: OptimConfig) -> None:
+    _check_choice("optim.kind", o.kind, OPTIM_KINDS)
+    _require("optim.lr", o.lr > 0, o.lr, "> 0")
+    _require("optim.weight_decay", o.weight_decay >= 0, o.weight_decay, ">= 0")
+    for i, beta in enumerate(o.betas):
+        _require(f"optim.betas[{i}]", 0 <= beta < 1, beta, "[0, 1)")
+    _require("optim.momentum", 0 <= o.momentum < 1, o.momentum, "[0, 1)")
+    _require("optim.warmup_steps", o.warmup_steps >= 0, o.warmup_steps, ">= 0")
+    _check_choice("optim.schedule", o.schedule, LR_SCHEDULES)
+    _require("optim.min_lr_ratio", 0 <= o.min_lr_ratio <= 1, o.min_lr_ratio, "[0, 1]")
+    _require("optim.grad_clip", o.grad_clip >= 0, o.grad_clip, ">= 0 (0 disables clipping)")
+    _check_choice("optim.lr_scaling", o.lr_scaling, LR_SCALINGS)
+
+
+def _validate_strategy(cfg: JobConfig) -> None:
+    s = cfg.strategy
+    _check_choice("strategy.kind", s.kind, STRATEGY_KINDS)
+    _require("strategy.bucket_cap_mb", s.bucket_cap_mb > 0, s.bucket_cap_mb, "> 0")
+    _require("strategy.stage", 1 <= s.stage <= 3, s.stage, "1, 2 or 3")
+    _check_choice("strategy.offload_optimizer", s.offload_optimizer, OFFLOAD_DEVICES)
+    _check_choice("strategy.offload_param", s.offload_param, OFFLOAD_DEVICES)
+    _require("strategy.reduce_bucket_size", s.reduce_bucket_size > 0, s.reduce_bucket_size, "> 0")
+    if s.offload_param != "none" and s.stage != 3:
+        raise ConfigError(
+            f"strategy.offload_param={s.offload_param} needs strategy.stage=3 "
+            f"(ZeRO-3 shards parameters); got stage {s.stage}"
+        )
+    if s.offload_optimizer != "none" and cfg.optim.kind != "adamw":
+        raise ConfigError(
+            f"strategy.offload_optimizer={s.offload_optimizer} needs optim.kind=adamw "
+            f"(DeepSpeed's CPU Adam runs the offloaded step); got {cfg.optim.kind}"
+        )
+    if cfg.deepspeed:
+        _validate_deepspeed(cfg.deepspeed, kind=s.kind)
+
+
+def _validate_deepspeed(raw: dict[str, Any], *, kind: str) -> None:
+    """`deepspeed:` is for DeepSpeed keys trainstack does not derive, under ZeRO only."""
+    if kind != "zero":
+        raise ConfigError(
+            f"deepspeed: raw DeepSpeed keys apply only with strategy.kind=zero; got {kind}"
+        )
+    for key in raw:
+        if key in DEEPSPEED_DERIVED_KEYS:
+            raise ConfigError(
+                f"deepspeed.{key} is derived from the job spec; set "
+                f"{DEEPSPEED_DERIVED_KEYS[key]} instead"
+            )
+        if key not in DEEPSPEED_CONFIG_KEYS:
+            close = difflib.get_close_matches(str(key), DEEPSPEED_CONFIG_KEYS, n=1)
+            hint = f"; did you mean 'deepspeed.{close[0]}'?" if close else ""
+            raise ConfigError(f"unknown DeepSpeed key 'deepspeed.{key}'{hint}")
+    zero = raw.get("zero_optimization")
+    if not isinstance(zero, dict):
+        return
+    for key, value in zero.items():
+        if key not in DEEPSPEED_DERIVED_ZERO_KEYS:
+            continue
+        shown = key
+        if key.startswith("offload_"):
+            if isinstance(value, dict) and "device" not in value:
+                continue  # sub-options (pin_memory, nvme_path, ...) pass; the device is ours
+            shown = f"{key}.device"
+        raise ConfigError(
+            f"deepspeed.zero_optimization.{shown} is derived from the job spec; "
+            f"set strategy.{key} instead"
+        )
+
+
+def _validate_compression(cfg: JobConfig) -> None:
+    c = cfg.compression
+    _check_choice("compression.kind", c.kind, COMPRESSION_KINDS)
+    _require("compression.ratio", 0 < c.ratio <= 1, c.ratio, "(0, 1]")
+    bits_allowed = ", ".join(str(b) for b in QSGD_BITS)
+    _require("compression.bits", c.bits in QSGD_BITS, c.bits, bits_allowed)
+    _require("compression.rank", c.rank >= 1, c.rank, ">= 1")
+    _require("compression.min_numel", c.min_numel >= 0, c.min_numel, ">= 0")
+    if c.kind != "none" and cfg.strategy.kind != "ddp":
+        raise ConfigError(
+            f"compression.kind={c.kind} needs strategy.kind=ddp; got {cfg.strategy.kind}"
+        )
+
+
+def _validate_scaling(s: ScalingConfig) -> None:
+    _require("scaling.num_workers", s.num_workers >= 1, s.num_workers, ">= 1")
+    _require("scaling.cpus_per_worker", s.cpus_per_worker > 0, s.cpus_per_worker, "> 0")
+
+
+def _validate_checkpoint(c: CheckpointConfig) -> None:
+    _require(
+        "checkpoint.every_steps", c.every_steps >= 0, c.every_steps, ">= 0 (0: only at the end)"
+    )
+    _require("checkpoint.keep", c.keep >= 1, c.keep, ">= 1")
+    if not c.storage_path.strip():
+        raise ConfigError(f"checkpoint.storage_path={c.storage_path!r} is empty; allowed: a path")
+    _check_choice("checkpoint.on_corrupt", c.on_corrupt, CORRUPT_CHECKPOINT_ACTIONS)
+
+
+def _validate_faults(cfg: JobConfig) -> None:
+    f, steps, workers = cfg.faults, cfg.train.steps, cfg.scaling.num_workers
+    for i, step in enumerate(f.kill_at_steps):
+        _require(f"faults.kill_at_steps[{i}]", 1 <= step <= steps, step, f"1 to {steps}")
+    _require(
+        "faults.random_kills", 0 <= f.random_kills < steps, f.random_kills, f"0 to {steps - 1}"
+    )
+    _require("faults.rank", -1 <= f.rank < workers, f.rank, f"-1 (random) to {workers - 1}")
+    _require("faults.seed", 0 <= f.seed <= MAX_SEED, f.seed, f"0 to {MAX_SEED}")
+
+
+def _validate_cross_section(cfg: JobConfig) -> None:
+    t, o = cfg.train, cfg.optim
+    per_step = t.micro_batch_size * cfg.scaling.num_workers
+    if t.global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by "
+            f"train.micro_batch_size × scaling.num_workers = {t.micro_batch_size} × "
+            f"{cfg.scaling.num_workers} = {per_step}; allowed: a multiple of {per_step}, "
+            f"e.g. {_next_multiple(t.global_batch_size, per_step)}"
+        )
+    if o.warmup_steps >= t.steps:
+        raise ConfigError(
+            f"optim.warmup_steps={o.warmup_steps} must be less than train.steps={t.steps}; "
+            f"allowed: 0 to {t.steps - 1}"
+        )
+
+
+def _require(key: str, ok: bool, value: float, allowed: str) -> None:
+    """Raise unless `ok`; a non-finite float never passes a range check."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}={show(value)} is not a finite number; allowed: {allowed}")
+    if not ok:
+        raise ConfigError(f"{key}={show(value)} is out of range; allowed: {allowed}")
+
+
+def _check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value in allowed:
+        return
+    close = difflib.get_close_matches(value, allowed, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ConfigError(f"{key}={show(value)} is not one of {', '.join(allowed)}{hint}")
+
+
+def _next_multiple(value: int, step: int) -> int:
+    return -(-value // step) * step
