@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_SPEC) 2>&1 | $(QUIET_PIP)
 	$(PY) -m pip install -q -e '.[dev]' 2>&1 | $(QUIET_PIP)
-	$(PY) -c 'import torch, ray, deepspeed, mlflow, trainstack' 2>/dev/null
+	$(PY) -c 'import torch, ray, deepspeed, mlflow, trainstack' >/dev/null 2>&1
 	touch $(STAMP)
 
 # A fresh demo each time: a rerun of a finished run would only report it.
