@@ -290,3 +290,22 @@ def resolve(path: Path, *, warn: Callable[[str], None] = warn) -> Checkpoint:
     if chosen is None:
         raise CheckpointError(f"{path}: no valid checkpoint there")
     return chosen
+
+
+def check_same_model(start: Checkpoint, cfg: JobConfig) -> None:
+    """Raise CheckpointError when `start` holds weights of another model than `cfg`'s."""
+    from trainstack.config import config_to_dict
+
+    wanted = config_to_dict(cfg)
+    saved = start.manifest["spec"]
+    differences = [
+        f"{section}.{key} {saved[section].get(key)!r} in the checkpoint, {value!r} now"
+        for section, keys in (("model", None), ("data", ("vocab_size",)))
+        for key, value in wanted[section].items()
+        if (keys is None or key in keys) and saved[section].get(key) != value
+    ]
+    if differences:
+        raise CheckpointError(
+            f"{start.path} holds another model ({'; '.join(differences)}); choose another "
+            "name, another checkpoint.storage_path, or remove the old run"
+        )

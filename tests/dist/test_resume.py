@@ -127,3 +127,11 @@ def test_checkpoint_files_load_with_weights_only(tmp_path: Path) -> None:
     assert final.manifest["spec_sha256"] == ckpt.spec_hash(final.manifest["spec"])
     assert final.manifest["tokens_seen"] == 20 * 16 * 16
     assert {"trainstack", "torch", "ray"} <= set(final.manifest["versions"])
+
+
+def test_a_run_with_another_model_refuses_the_old_checkpoints(tmp_path: Path) -> None:
+    raw = spec(tmp_path, workers=1, micro=8)
+    run_processes(config_from_dict(raw), world_size=1, out_dir=tmp_path / "out")
+    raw["model"]["n_embd"] = 48
+    with pytest.raises(ckpt.CheckpointError, match=r"model\.n_embd 32 in the checkpoint, 48 now"):
+        run_processes(config_from_dict(raw), world_size=1, out_dir=tmp_path / "again")

@@ -200,6 +200,8 @@ def run_job(
     wall_start = time.perf_counter()
     run_dir = ckpt.run_dir_for(cfg)
     start = ckpt.find_start(run_dir, resume_from=resume_from, on_corrupt=cfg.checkpoint.on_corrupt)
+    if start is not None:
+        ckpt.check_same_model(start, cfg)
     if start is not None and start.step >= cfg.train.steps:
         summary = dict(start.manifest["metrics"])
         summary.update(
