@@ -68,6 +68,11 @@ def run_dir_for(cfg: JobConfig) -> Path:
     return Path(cfg.checkpoint.storage_path).expanduser().resolve() / cfg.name
 
 
+def rank_file(folder: str, rank: int) -> str:
+    """Name, inside a checkpoint, of the file that `rank` alone writes into `folder`."""
+    return f"{folder}/rank_{rank:05d}.pt"
+
+
 def dir_name(step: int) -> str:
     return f"checkpoint_{step:08d}"
 
@@ -84,10 +89,19 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _atomic_torch_save(obj: Any, path: Path) -> None:
+def save_atomically(obj: Any, path: Path) -> None:
+    """torch.save to a temporary name beside `path`, then rename: never a half file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Write `text` to a temporary name beside `path`, then rename: never a half file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 
@@ -96,7 +110,7 @@ def write_rank_files(directory: Path, files: dict[str, Any]) -> dict[str, dict[s
     entries = {}
     for name, obj in files.items():
         path = directory / name
-        _atomic_torch_save(obj, path)
+        save_atomically(obj, path)
         entries[name] = {"sha256": _sha256(path), "size": path.stat().st_size}
     return entries
 
@@ -116,9 +130,7 @@ def gather_entries(entries: dict[str, dict[str, Any]]) -> dict[str, dict[str, An
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     """Write the manifest last, atomically: its presence marks the checkpoint complete."""
-    tmp = directory / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    os.replace(tmp, directory / MANIFEST)
+    write_text_atomically(directory / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
 
 
 def build_manifest(

@@ -98,9 +98,7 @@ def _train(
 
 def export_command(args: argparse.Namespace) -> int:
     """Verify a checkpoint and write its consolidated weights (`model.pt`) to --out."""
-    import torch
-
-    from trainstack.checkpoint import CheckpointError, resolve
+    from trainstack.checkpoint import CheckpointError, resolve, save_atomically
 
     try:
         found = resolve(Path(args.checkpoint).expanduser().resolve())
@@ -108,20 +106,16 @@ def export_command(args: argparse.Namespace) -> int:
         return _error(str(err), code=2)
     state = found.load("model.pt")
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    torch.save(state, tmp)
-    tmp.replace(out)
+    save_atomically(state, out)
     numel = sum(t.numel() for t in state.values())
     print(f"trainstack: wrote {out} ({len(state)} tensors, {numel:,} values) from {found.path}")
     return 0
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)
+    from trainstack.checkpoint import write_text_atomically
+
+    write_text_atomically(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

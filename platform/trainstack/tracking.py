@@ -27,6 +27,7 @@ from typing import Any, Protocol, TypeVar
 import yaml
 
 import trainstack
+from trainstack.checkpoint import write_text_atomically
 from trainstack.config import JobConfig, config_to_dict
 
 RECORD_FILE = "tracking.json"
@@ -265,7 +266,4 @@ def _read_record(path: Path) -> TrackingRecord | None:
 
 
 def _write_record(path: Path, record: TrackingRecord) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(asdict(record), indent=2) + "\n")
-    os.replace(tmp, path)
+    write_text_atomically(path, json.dumps(asdict(record), indent=2) + "\n")

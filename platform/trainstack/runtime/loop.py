@@ -212,10 +212,6 @@ def _comm_metrics(out: StepOutput) -> dict[str, Any]:
     return {"bytes_on_wire": out.bytes_on_wire, "compression_ratio": out.compression_ratio}
 
 
-def _rng_file(rank: int) -> str:
-    return f"rng/rank_{rank:05d}.pt"
-
-
 def _save_checkpoint(
     cfg: JobConfig,
     ctx: WorkerContext,
@@ -230,7 +226,7 @@ def _save_checkpoint(
     """Every rank stages its files; rank 0 adds the manifest listing all of them."""
     with tempfile.TemporaryDirectory(prefix="trainstack-ckpt-") as tmp:
         staging = Path(tmp)
-        files = {**strategy.checkpoint_files(), _rng_file(ctx.rank): ckpt.rng_state()}
+        files = {**strategy.checkpoint_files(), ckpt.rank_file("rng", ctx.rank): ckpt.rng_state()}
         entries = ckpt.gather_entries(ckpt.write_rank_files(staging, files))
         if ctx.rank == 0:
             spec = config_to_dict(cfg)
@@ -276,7 +272,7 @@ def _restore(
         return None, []
     restored = ckpt.read(Path(choice[0]))
     notes = strategy.load_checkpoint(restored)
-    rng = _rng_file(ctx.rank)
+    rng = ckpt.rank_file("rng", ctx.rank)
     same_layout = restored.manifest["world"]["world_size"] == ctx.world_size
     if same_layout and restored.has(rng):
         ckpt.set_rng_state(restored.load(rng))

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainstack.checkpoint import Checkpoint
+from trainstack.checkpoint import Checkpoint, rank_file
 from trainstack.compression import CompressionState, register_compression
 from trainstack.config import JobConfig
 from trainstack.runtime.optim import build_optimizer, build_scheduler, scaled_lr
@@ -143,7 +143,7 @@ class DDPStrategy:
             files["optimizer.pt"] = self.optimizer.state_dict()
             files["scheduler.pt"] = self.scheduler.state_dict()
         if self.cfg.compression.kind != "none":
-            files[_compression_file(self.ctx.rank)] = self.compression.state_dict()
+            files[rank_file("compression", self.ctx.rank)] = self.compression.state_dict()
         return files
 
     def load_checkpoint(self, checkpoint: Checkpoint) -> list[str]:
@@ -163,7 +163,7 @@ class DDPStrategy:
         assert self.compression is not None, "setup() first"
         if self.cfg.compression.kind == "none":
             return []
-        name = _compression_file(self.ctx.rank)
+        name = rank_file("compression", self.ctx.rank)
         saved_world = checkpoint.manifest["world"]["world_size"]
         if saved_world != self.ctx.world_size or not checkpoint.has(name):
             return ["compression residuals re-initialised (none saved for this rank and layout)"]
@@ -183,7 +183,3 @@ class DDPStrategy:
             "grads": self._peak_grad_bytes,
             "optimizer": storage_bytes(tensors_in(self.optimizer.state)),
         }
-
-
-def _compression_file(rank: int) -> str:
-    return f"compression/rank_{rank:05d}.pt"

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainstack.checkpoint import Checkpoint
+from trainstack.checkpoint import Checkpoint, rank_file
 from trainstack.config import JobConfig
 from trainstack.runtime.optim import build_optimizer, build_scheduler, scaled_lr
 from trainstack.strategies.base import (
@@ -269,7 +269,7 @@ class ZeROStrategy:
             for key, value in engine.optimizer.state_dict().items()
             if key not in _UNSAVED_OPTIMIZER_KEYS
         }
-        files: dict[str, Any] = {_shard_name(self.ctx.rank): shard}
+        files: dict[str, Any] = {rank_file("optimizer", self.ctx.rank): shard}
         if self.ctx.rank == 0:
             files["model.pt"] = weights
             files["scheduler.pt"] = self.scheduler.state_dict()
@@ -321,14 +321,16 @@ class ZeROStrategy:
             if saved[key] != getattr(self.cfg.strategy, key):
                 mine = getattr(self.cfg.strategy, key)
                 return f"the checkpoint has strategy.{key}={saved[key]}, this run {mine}"
-        if not (checkpoint.has(_shard_name(self.ctx.rank)) and checkpoint.has("scheduler.pt")):
+        if not (
+            checkpoint.has(rank_file("optimizer", self.ctx.rank)) and checkpoint.has("scheduler.pt")
+        ):
             return "the checkpoint has no optimizer shard for this rank"
         return None
 
     def _load_exact(self, checkpoint: Checkpoint, weights: dict[str, torch.Tensor]) -> None:
         """Same layout: this rank's shard restores master weights and optimizer state."""
         zero_optimizer = self._engine().optimizer
-        shard = checkpoint.load(_shard_name(self.ctx.rank))
+        shard = checkpoint.load(rank_file("optimizer", self.ctx.rank))
         shard["loss_scaler"] = zero_optimizer.loss_scaler
         shards: list[dict[str, Any] | None] = [None] * self.ctx.world_size
         shards[self.ctx.rank] = shard  # ZeRO reads its own rank's entry
@@ -378,10 +380,6 @@ def _master_partitions(zero_optimizer: Any) -> list[torch.Tensor]:
     if found is None:
         found = zero_optimizer.fp32_partitioned_groups_flat
     return list(found)
-
-
-def _shard_name(rank: int) -> str:
-    return f"optimizer/rank_{rank:05d}.pt"
 
 
 def _deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
