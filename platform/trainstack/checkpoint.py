@@ -4,6 +4,8 @@
       manifest.json        step, samples seen, spec and its hash, strategy, world layout,
                            library versions, metrics, and sha256 + size of every file
       model.pt             portable full model weights (any strategy or world size loads them)
+      model/stage_00001.pt or, from a pipeline, one file per stage with that stage's weights
+                           under the full model's names (merged, they are model.pt)
       optimizer.pt ...     strategy state, as the strategy lays it out
       rng/rank_00000.pt    RNG states (python, numpy, torch) of each rank
 
@@ -62,6 +64,19 @@ class Checkpoint:
     def has(self, name: str) -> bool:
         return name in self.manifest["files"]
 
+    def full_weights(self) -> dict[str, Any]:
+        """The whole model's state dict: `model.pt`, or every stage file merged."""
+        if self.has("model.pt"):
+            state: dict[str, Any] = self.load("model.pt")
+            return state
+        stages = sorted(name for name in self.manifest["files"] if name.startswith("model/"))
+        if not stages:
+            raise CheckpointError(f"{self.path}: no model weights (model.pt or model/stage_*)")
+        merged: dict[str, Any] = {}
+        for name in stages:
+            merged.update(self.load(name))
+        return merged
+
 
 def run_dir_for(cfg: JobConfig) -> Path:
     """A run's directory: its checkpoints, fault markers and tracking record."""
@@ -71,6 +86,11 @@ def run_dir_for(cfg: JobConfig) -> Path:
 def rank_file(folder: str, rank: int) -> str:
     """Name, inside a checkpoint, of the file that `rank` alone writes into `folder`."""
     return f"{folder}/rank_{rank:05d}.pt"
+
+
+def stage_file(stage: int) -> str:
+    """Name, inside a checkpoint, of pipeline stage `stage`'s weights."""
+    return f"model/stage_{stage:05d}.pt"
 
 
 def dir_name(step: int) -> str:

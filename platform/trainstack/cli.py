@@ -102,9 +102,9 @@ def export_command(args: argparse.Namespace) -> int:
 
     try:
         found = resolve(Path(args.checkpoint).expanduser().resolve())
+        state = found.full_weights()
     except CheckpointError as err:
         return _error(str(err), code=2)
-    state = found.load("model.pt")
     out = Path(args.out)
     save_atomically(state, out)
     numel = sum(t.numel() for t in state.values())

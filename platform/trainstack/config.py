@@ -32,6 +32,8 @@ from trainstack.config_checks import (  # noqa: F401  (re-exported for callers)
     NAME_PATTERN,
     OFFLOAD_DEVICES,
     OPTIM_KINDS,
+    PIPELINE_ENGINES,
+    PIPELINE_SCHEDULES,
     PRECISIONS,
     PROGRESS_MODES,
     QSGD_BITS,
@@ -65,6 +67,8 @@ class ModelConfig:
     """Dropout probability in [0, 1)."""
     context: int = 4
     """MLP only: how many previous tokens each prediction sees."""
+    activation_checkpointing: bool = False
+    """GPT: recompute each block's activations in the backward pass instead of keeping them."""
 
 
 @dataclass(kw_only=True)
@@ -124,7 +128,7 @@ class OptimConfig:
 @dataclass(kw_only=True)
 class StrategyConfig:
     kind: str = "ddp"
-    """Parallelism strategy: `ddp` or `zero` (DeepSpeed ZeRO)."""
+    """Parallelism strategy: `ddp`, `zero` (DeepSpeed ZeRO) or `pipeline`."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size in MiB (> 0)."""
     stage: int = 2
@@ -137,6 +141,19 @@ class StrategyConfig:
     """zero: overlap gradient reduction with the backward pass."""
     reduce_bucket_size: int = 500_000_000
     """zero: elements per gradient reduction bucket (> 0)."""
+    stages: int = 2
+    """pipeline: pipeline ranks p (>= 2); the model is cut into p × virtual_stages stages."""
+    schedule: str = "1f1b"
+    """pipeline: `gpipe`, `1f1b`, `interleaved`, `zb_interleaved`, `zbv` or `dualpipev`."""
+    microbatches: int = 4
+    """pipeline: micro-batches per step per pipeline; train.micro_batch_size is
+    global_batch_size / (data_parallel × microbatches)."""
+    virtual_stages: int = 0
+    """pipeline: stages per rank; 0 picks the schedule's own (1 for gpipe and 1f1b, else 2)."""
+    data_parallel: int = 1
+    """pipeline: pipeline replicas d; scaling.num_workers must be stages × data_parallel."""
+    engine: str = "torch"
+    """pipeline: `torch` (torch.distributed.pipelining) or `deepspeed` (its PipelineEngine)."""
 
 
 @dataclass(kw_only=True)
@@ -235,10 +252,25 @@ class JobConfig:
     log: LogConfig = field(default_factory=LogConfig)
 
     @property
+    def data_parallel_size(self) -> int:
+        """Model replicas that each see their own share of a step's samples."""
+        if self.strategy.kind == "pipeline":
+            return self.strategy.data_parallel
+        return self.scaling.num_workers
+
+    @property
     def grad_accum_steps(self) -> int:
-        """Micro-steps per optimizer step on each worker."""
-        per_step = self.train.micro_batch_size * self.scaling.num_workers
+        """Micro-batches per optimizer step on each replica (pipeline: its micro-batches)."""
+        per_step = self.train.micro_batch_size * self.data_parallel_size
         return self.train.global_batch_size // per_step
+
+    @property
+    def pipeline_virtual_stages(self) -> int:
+        """Stages per pipeline rank, with `strategy.virtual_stages: 0` resolved."""
+        s = self.strategy
+        if s.virtual_stages:
+            return s.virtual_stages
+        return 1 if s.schedule in ("gpipe", "1f1b") else 2
 
 
 # PyYAML's constructors raise plain exceptions for a bad explicit tag (`!!int x`,

@@ -32,7 +32,16 @@ PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
 OPTIM_KINDS: tuple[str, ...] = ("adamw", "sgd")
 LR_SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
 LR_SCALINGS: tuple[str, ...] = ("none", "linear", "sqrt")
-STRATEGY_KINDS: tuple[str, ...] = ("ddp", "zero")
+STRATEGY_KINDS: tuple[str, ...] = ("ddp", "zero", "pipeline")
+PIPELINE_SCHEDULES: tuple[str, ...] = (
+    "gpipe",
+    "1f1b",
+    "interleaved",
+    "zb_interleaved",
+    "zbv",
+    "dualpipev",
+)
+PIPELINE_ENGINES: tuple[str, ...] = ("torch", "deepspeed")
 COMPRESSION_KINDS: tuple[str, ...] = (
     "none",
     "fp16",
@@ -157,6 +166,7 @@ def validate(cfg: JobConfig) -> None:
     _validate_train(cfg.train)
     _validate_optim(cfg.optim)
     _validate_strategy(cfg)
+    _validate_pipeline(cfg)
     _validate_compression(cfg)
     _validate_scaling(cfg.scaling)
     _validate_checkpoint(cfg.checkpoint)
@@ -259,14 +269,115 @@ def _validate_strategy(cfg: JobConfig) -> None:
             f"(DeepSpeed's CPU Adam runs the offloaded step); got {cfg.optim.kind}"
         )
     if cfg.deepspeed:
-        _validate_deepspeed(cfg.deepspeed, kind=s.kind)
+        deepspeed_pipeline = s.kind == "pipeline" and s.engine == "deepspeed"
+        _validate_deepspeed(cfg.deepspeed, kind=s.kind, derives_zero=not deepspeed_pipeline)
 
 
-def _validate_deepspeed(raw: dict[str, Any], *, kind: str) -> None:
-    """`deepspeed:` is for DeepSpeed keys trainstack does not derive, under ZeRO only."""
-    if kind != "zero":
+def _validate_pipeline(cfg: JobConfig) -> None:
+    s, m = cfg.strategy, cfg.model
+    _check_choice("strategy.schedule", s.schedule, PIPELINE_SCHEDULES)
+    _check_choice("strategy.engine", s.engine, PIPELINE_ENGINES)
+    _require("strategy.stages", s.stages >= 2, s.stages, ">= 2 (one stage: use ddp)")
+    _require("strategy.microbatches", s.microbatches >= 1, s.microbatches, ">= 1")
+    _require("strategy.virtual_stages", s.virtual_stages >= 0, s.virtual_stages, ">= 0")
+    _require("strategy.data_parallel", s.data_parallel >= 1, s.data_parallel, ">= 1")
+    if s.kind != "pipeline":
+        return
+    p, d, v = s.stages, s.data_parallel, cfg.pipeline_virtual_stages
+    if m.kind != "gpt":
+        raise ConfigError(f"strategy.kind=pipeline splits a gpt model; got model.kind={m.kind}")
+    if cfg.scaling.num_workers != p * d:
         raise ConfigError(
-            f"deepspeed: raw DeepSpeed keys apply only with strategy.kind=zero; got {kind}"
+            f"scaling.num_workers={cfg.scaling.num_workers} must equal strategy.stages × "
+            f"strategy.data_parallel = {p} × {d} = {p * d}"
+        )
+    if s.engine == "deepspeed":
+        _validate_deepspeed_pipeline(cfg)
+        return
+    if s.schedule in ("gpipe", "1f1b") and v != 1:
+        raise ConfigError(
+            f"strategy.virtual_stages={v} needs an interleaved schedule; "
+            f"strategy.schedule={s.schedule} runs one stage per rank (allowed: 0 or 1)"
+        )
+    if s.schedule in ("interleaved", "zb_interleaved") and v < 2:
+        raise ConfigError(
+            f"strategy.virtual_stages={v} is out of range for strategy.schedule={s.schedule}; "
+            "allowed: >= 2 stages per rank (one per rank: use 1f1b)"
+        )
+    if s.schedule in ("zbv", "dualpipev") and v != 2:
+        raise ConfigError(
+            f"strategy.virtual_stages={v} is out of range for strategy.schedule={s.schedule}; "
+            "allowed: 0 or 2 (the V shape puts exactly two stages on each rank)"
+        )
+    if p * v > m.n_layer:
+        raise ConfigError(
+            f"model.n_layer={m.n_layer} cannot be split into strategy.stages × virtual_stages "
+            f"= {p} × {v} = {p * v} stages of at least one block; allowed: n_layer >= {p * v}"
+        )
+    if s.schedule in ("interleaved", "zb_interleaved") and s.microbatches % p:
+        raise ConfigError(
+            f"strategy.microbatches={s.microbatches} must be a multiple of "
+            f"strategy.stages={p} for strategy.schedule={s.schedule}"
+        )
+    if s.schedule == "dualpipev" and s.microbatches < 2 * p:
+        raise ConfigError(
+            f"strategy.microbatches={s.microbatches} is out of range for "
+            f"strategy.schedule=dualpipev; allowed: >= 2 × strategy.stages = {2 * p}"
+        )
+    if cfg.train.precision != "fp32":
+        raise ConfigError(
+            f"train.precision={cfg.train.precision} is not supported with strategy.kind=pipeline "
+            "yet; allowed: fp32"
+        )
+    _validate_pipeline_batch(cfg)
+
+
+def _validate_deepspeed_pipeline(cfg: JobConfig) -> None:
+    s, m = cfg.strategy, cfg.model
+    if s.schedule != "1f1b" or cfg.pipeline_virtual_stages != 1:
+        raise ConfigError(
+            f"strategy.schedule={s.schedule} (virtual_stages {cfg.pipeline_virtual_stages}) "
+            "is not what strategy.engine=deepspeed runs; allowed: schedule 1f1b with one "
+            "stage per rank (DeepSpeed's PipelineEngine has its own 1F1B-style schedule)"
+        )
+    if s.stages > m.n_layer:
+        raise ConfigError(
+            f"model.n_layer={m.n_layer} cannot be split into strategy.stages={s.stages} "
+            f"stages of at least one block; allowed: n_layer >= {s.stages}"
+        )
+    stage = cfg.deepspeed.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1):
+        raise ConfigError(
+            f"deepspeed.zero_optimization.stage={stage} is refused with strategy.engine="
+            "deepspeed: DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only"
+        )
+    _validate_pipeline_batch(cfg)
+
+
+def _validate_pipeline_batch(cfg: JobConfig) -> None:
+    s, t = cfg.strategy, cfg.train
+    replicas = s.data_parallel * s.microbatches
+    if t.global_batch_size % replicas:
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by "
+            f"strategy.data_parallel × microbatches = {s.data_parallel} × {s.microbatches}"
+        )
+    wanted = t.global_batch_size // replicas
+    if t.micro_batch_size != wanted:
+        raise ConfigError(
+            f"train.micro_batch_size={t.micro_batch_size} must be global_batch_size / "
+            f"(data_parallel × microbatches) = {t.global_batch_size} / ({s.data_parallel} × "
+            f"{s.microbatches}) = {wanted} with strategy.kind=pipeline; set it to {wanted}"
+        )
+
+
+def _validate_deepspeed(raw: dict[str, Any], *, kind: str, derives_zero: bool) -> None:
+    """`deepspeed:` is for DeepSpeed keys trainstack does not derive, under ZeRO or the
+    DeepSpeed pipeline engine (which takes `zero_optimization` from it)."""
+    if derives_zero and kind != "zero":
+        raise ConfigError(
+            "deepspeed: raw DeepSpeed keys apply only with strategy.kind=zero or "
+            f"strategy.engine=deepspeed; got strategy.kind={kind}"
         )
     for key in raw:
         if key in DEEPSPEED_DERIVED_KEYS:
@@ -279,7 +390,7 @@ def _validate_deepspeed(raw: dict[str, Any], *, kind: str) -> None:
             hint = f"; did you mean 'deepspeed.{close[0]}'?" if close else ""
             raise ConfigError(f"unknown DeepSpeed key 'deepspeed.{key}'{hint}")
     zero = raw.get("zero_optimization")
-    if not isinstance(zero, dict):
+    if not isinstance(zero, dict) or not derives_zero:
         return
     for key, value in zero.items():
         if key not in DEEPSPEED_DERIVED_ZERO_KEYS:
@@ -337,12 +448,14 @@ def _validate_faults(cfg: JobConfig) -> None:
 
 def _validate_cross_section(cfg: JobConfig) -> None:
     t, o = cfg.train, cfg.optim
-    per_step = t.micro_batch_size * cfg.scaling.num_workers
+    replicas = cfg.data_parallel_size
+    per_step = t.micro_batch_size * replicas
+    what = "strategy.data_parallel" if cfg.strategy.kind == "pipeline" else "scaling.num_workers"
     if t.global_batch_size % per_step:
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} is not divisible by "
-            f"train.micro_batch_size × scaling.num_workers = {t.micro_batch_size} × "
-            f"{cfg.scaling.num_workers} = {per_step}; allowed: a multiple of {per_step}, "
+            f"train.micro_batch_size × {what} = {t.micro_batch_size} × "
+            f"{replicas} = {per_step}; allowed: a multiple of {per_step}, "
             f"e.g. {_next_multiple(t.global_batch_size, per_step)}"
         )
     if o.warmup_steps >= t.steps:

@@ -109,7 +109,8 @@ def _worker(
             on_event=on_event,
         )
         if rank == 0:
-            torch.save(outcome.strategy.unwrapped_model().state_dict(), out / "model.pt")
+            final = ckpt.resolve(run_dir)  # the checkpoint the run ended with
+            torch.save(final.full_weights(), out / "model.pt")
             (out / "summary.json").write_text(json.dumps(outcome.summary))
     finally:
         if distributed:

@@ -25,7 +25,7 @@ from trainstack.metrics import ThroughputMeter, device_peak_flops, mfu, peak_mem
 from trainstack.models import build_model
 from trainstack.runtime.faults import FaultInjector
 from trainstack.strategies import Strategy, WorkerContext, build_strategy
-from trainstack.strategies.base import StepOutput
+from trainstack.strategies.base import ReportsLayout, StepOutput
 
 LogFn = Callable[[dict[str, Any]], None]
 
@@ -78,6 +78,8 @@ def train(
     strategy.setup(model)
     restored, notes = _restore(cfg, ctx, strategy, run_dir=run_dir, resume_from=resume_from)
     start_step = restored.step if restored else 0
+    if isinstance(strategy, ReportsLayout):
+        notes = [*strategy.layout_notes(), *notes]
     if ctx.rank == 0:
         emit(
             {
@@ -88,13 +90,15 @@ def train(
                 "time": time.time(),
             }
         )
+    # Replicas split the samples; ranks of one replica (a pipeline) see the same ones.
+    replicas = cfg.data_parallel_size
     batches = ShardedBatches(
         corpus=corpus,
         seq_len=seq_len,
         global_batch_size=cfg.train.global_batch_size,
         micro_batch_size=cfg.train.micro_batch_size,
-        rank=ctx.rank,
-        world_size=ctx.world_size,
+        rank=ctx.rank % replicas,
+        world_size=replicas,
         cursor=DataCursor(samples_seen=restored.samples_seen if restored else 0),
     )
     meter = ThroughputMeter(
@@ -170,8 +174,8 @@ def train(
             count=cfg.data.eval_samples,
             seq_len=seq_len,
             micro_batch_size=cfg.train.micro_batch_size,
-            rank=ctx.rank,
-            world_size=ctx.world_size,
+            rank=ctx.rank % replicas,
+            world_size=replicas,
         )
         loss_sum, tokens = strategy.eval_loss(held_out)
         eval_loss = loss_sum / tokens
@@ -199,6 +203,7 @@ def train(
         "model_state_bytes": strategy.model_state_bytes(),
         "train_s": train_s,
         **_comm_metrics(out),
+        **(strategy.run_metrics() if isinstance(strategy, ReportsLayout) else {}),
     }
     save(cfg.train.steps, summary)
     return TrainOutcome(summary=summary, strategy=strategy)

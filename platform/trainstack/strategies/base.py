@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -77,8 +77,8 @@ class Strategy(Protocol):
     def checkpoint_files(self) -> dict[str, Any]:
         """Files this rank adds to a checkpoint: name -> torch-saveable object.
 
-        Some rank must write `model.pt`, the full weights, so that any strategy and
-        world size can load the checkpoint.
+        Together the ranks must write the full weights, as `model.pt` or as stage files
+        (`checkpoint.stage_file`), so that any strategy and world size can load them.
         """
 
     def load_checkpoint(self, checkpoint: Checkpoint) -> list[str]:
@@ -87,6 +87,18 @@ class Strategy(Protocol):
     def model_state_bytes(self) -> dict[str, int]:
         """This rank's bytes of `params`, `grads` and `optimizer` state, measured from the
         tensors it holds (`grads`: the most held after any backward pass so far)."""
+
+
+@runtime_checkable
+class ReportsLayout(Protocol):
+    """An optional ability: a strategy that places the model in parts says how, and
+    reports figures of that layout (e.g. a pipeline's bubble) in the run's summary."""
+
+    def layout_notes(self) -> list[str]:
+        """Lines for the console at start: how the model was cut and placed."""
+
+    def run_metrics(self) -> dict[str, Any]:
+        """Figures for the summary, the same on every rank (a collective)."""
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -148,7 +148,7 @@ class DDPStrategy:
 
     def load_checkpoint(self, checkpoint: Checkpoint) -> list[str]:
         assert self.optimizer is not None and self.scheduler is not None, "setup() first"
-        self.unwrapped_model().load_state_dict(checkpoint.load("model.pt"))
+        self.unwrapped_model().load_state_dict(checkpoint.full_weights())
         notes = self._load_compression(checkpoint)
         same_kind = checkpoint.manifest.get("strategy") == self.name
         if not (same_kind and checkpoint.has("optimizer.pt") and checkpoint.has("scheduler.pt")):

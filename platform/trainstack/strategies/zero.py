@@ -293,7 +293,7 @@ class ZeROStrategy:
     def load_checkpoint(self, checkpoint: Checkpoint) -> list[str]:
         engine = self._engine()
         assert self.scheduler is not None
-        weights = checkpoint.load("model.pt")
+        weights = checkpoint.full_weights()
         reason = self._why_not_exact(checkpoint)
         if reason is None:
             self._load_exact(checkpoint, weights)

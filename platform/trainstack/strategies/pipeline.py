@@ -1,0 +1,402 @@
+"""Pipeline parallelism on torch.distributed.pipelining, alone or × data parallel (2D).
+
+Layout: `p = strategy.stages` pipeline ranks times `d = strategy.data_parallel`
+replicas; global rank = pp_rank × d + dp_rank. Each replica is a pipeline over the
+ranks sharing its dp_rank; ranks sharing a pp_rank hold the same stages and average
+their gradients. The GPT is cut into p × v stages (pipeline_split.py) and placed by
+the schedule's style. One step: the replica's batch goes through the schedule as
+`strategy.microbatches` micro-batches; then gradients are made whole and the
+optimizer steps on every rank:
+
+1. The tied embedding/LM-head weight lives on the first and on the last stage as two
+   copies; their gradients are summed between the two (what the tied model's backward
+   computes), so both copies take the same update and stay equal.
+2. Gradients are averaged over the replicas with one flat all-reduce per rank: an
+   explicit reduction after the schedule, because DDP or FSDP wrapped around stage
+   modules is wrong or fails under several schedules.
+3. The global gradient norm (the tied weight counted once) is summed over the
+   pipeline, clipped as `clip_grad_norm_` does, and every rank steps its optimizer.
+
+Schedules: `gpipe`, `1f1b`, `interleaved` (Interleaved1F1B), `zb_interleaved`
+(InterleavedZeroBubble), `zbv` (ZBVZeroBubble) and `dualpipev` (DualPipeV).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import schedules
+
+from trainstack.checkpoint import Checkpoint, rank_file, stage_file
+from trainstack.config import JobConfig, config_from_dict
+from trainstack.models.gpt import GPT
+from trainstack.runtime.optim import build_optimizer, build_scheduler, scaled_lr
+from trainstack.strategies.base import (
+    Batch,
+    StepOutput,
+    WorkerContext,
+    fast_forward_schedule,
+    next_token_loss,
+    ring_allreduce_bytes,
+    storage_bytes,
+    tensors_in,
+)
+from trainstack.strategies.pipeline_probe import ProbedStage, SavedActivationMeter
+from trainstack.strategies.pipeline_split import StageModule, split_stages, stage_ranks
+
+SCHEDULES: dict[str, tuple[Callable[..., schedules._PipelineSchedule], str]] = {
+    "gpipe": (schedules.ScheduleGPipe, "loop"),
+    "1f1b": (schedules.Schedule1F1B, "loop"),
+    "interleaved": (schedules.ScheduleInterleaved1F1B, "loop"),
+    "zb_interleaved": (schedules.ScheduleInterleavedZeroBubble, "loop"),
+    "zbv": (schedules.ScheduleZBVZeroBubble, "v"),
+    "dualpipev": (schedules.ScheduleDualPipeV, "v"),
+}
+"""Schedule name -> (torch schedule class, stage placement style)."""
+
+_SINGLE_STAGE = ("gpipe", "1f1b")
+_TIED_INPUT, _TIED_OUTPUT = "tok_emb.weight", "lm_head.weight"
+
+
+class PipelineStrategy:
+    name = "pipeline"
+
+    def __init__(self, cfg: JobConfig, ctx: WorkerContext) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        s = cfg.strategy
+        self.pp_size, self.dp_size = s.stages, s.data_parallel
+        self.pp_rank, self.dp_rank = divmod(ctx.rank, self.dp_size)
+        self.num_stages = s.stages * cfg.pipeline_virtual_stages
+        self.style = SCHEDULES[s.schedule][1]
+        self.owners = stage_ranks(
+            pp_size=self.pp_size, num_stages=self.num_stages, style=self.style
+        )
+        self.stage_ids = [i for i, r in enumerate(self.owners) if r == self.pp_rank]
+        self.modules: dict[int, StageModule] = {}
+        self.stages: list[ProbedStage] = []
+        self.schedule: schedules._PipelineSchedule | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.split_description = ""
+        self._peak_grad_bytes = 0
+        self._steps_run = 0
+        self._step_s = 0.0
+        self._busy_at_first_step = 0.0
+
+    # ---- layout -------------------------------------------------------------------------
+
+    def _global_rank(self, *, pp_rank: int) -> int:
+        return pp_rank * self.dp_size + self.dp_rank
+
+    def _build_groups(self) -> None:
+        """Every rank creates every group, in the same order (torch.distributed's rule)."""
+        p, d = self.pp_size, self.dp_size
+        for j in range(d):
+            group = dist.new_group([i * d + j for i in range(p)])
+            if j == self.dp_rank:
+                self.pp_group = group
+        for i in range(p):
+            group = dist.new_group([i * d + j for j in range(d)])
+            if i == self.pp_rank:
+                self.dp_group = group
+        self.tie_group = None
+        if self.owners[0] != self.owners[-1]:
+            for j in range(d):
+                ranks = [self.owners[0] * d + j, self.owners[-1] * d + j]
+                group = dist.new_group(ranks)
+                if j == self.dp_rank:
+                    self.tie_group = group
+
+    @property
+    def holds_first(self) -> bool:
+        return 0 in self.modules
+
+    @property
+    def holds_last(self) -> bool:
+        return self.num_stages - 1 in self.modules
+
+    # ---- setup --------------------------------------------------------------------------
+
+    def setup(self, model: nn.Module) -> None:
+        assert isinstance(model, GPT), "config validation admits only gpt"
+        split = split_stages(model, self.num_stages)
+        self.split_description = split.describe()
+        self._build_groups()
+        for s in self.stage_ids:
+            module = StageModule(
+                model,
+                blocks=split.blocks[s],
+                first=s == 0,
+                last=s == self.num_stages - 1,
+                activation_checkpointing=self.cfg.model.activation_checkpointing,
+            )
+            self.modules[s] = module.to(self.ctx.device)
+        params = {p.untyped_storage().data_ptr() for p in self.unwrapped_model().parameters()}
+        self.stages = [
+            ProbedStage(
+                module,
+                s,
+                self.num_stages,
+                self.ctx.device,
+                group=self.pp_group,
+                meter=SavedActivationMeter(exclude=params),
+            )
+            for s, module in self.modules.items()
+        ]
+        schedule_class = SCHEDULES[self.cfg.strategy.schedule][0]
+        first = self.stages[0] if self.cfg.strategy.schedule in _SINGLE_STAGE else self.stages
+        self.schedule = schedule_class(
+            first,
+            n_microbatches=self.cfg.strategy.microbatches,
+            loss_fn=next_token_loss,
+        )
+        lr = scaled_lr(self.cfg.optim, data_parallel_size=self.dp_size)
+        self.optimizer = build_optimizer(self.unwrapped_model(), self.cfg.optim, lr=lr)
+        self.scheduler = build_scheduler(
+            self.optimizer, self.cfg.optim, total_steps=self.cfg.train.steps
+        )
+
+    def unwrapped_model(self) -> nn.Module:
+        """This rank's stages (the full model's names; merge stage files for the whole)."""
+        return nn.ModuleList(self.modules[s] for s in self.stage_ids)
+
+    def _params(self) -> list[nn.Parameter]:
+        return [p for p in self.unwrapped_model().parameters() if p.requires_grad]
+
+    # ---- training -----------------------------------------------------------------------
+
+    def train_step(self, micro_batches: list[Batch]) -> StepOutput:
+        assert self.schedule is not None and self.optimizer is not None, "setup() first"
+        assert self.scheduler is not None
+        x = torch.cat([b[0] for b in micro_batches]).to(self.ctx.device)
+        y = torch.cat([b[1] for b in micro_batches]).to(self.ctx.device)
+        args = (x,) if self.holds_first else ()
+        losses: list[torch.Tensor] = []
+        start = time.perf_counter()
+        self.schedule.step(*args, target=y if self.holds_last else None, losses=losses)
+        self._record_step_time(time.perf_counter() - start)
+        grads = [p.grad for p in self._params() if p.grad is not None]
+        self._peak_grad_bytes = max(self._peak_grad_bytes, storage_bytes(grads))
+        self._sum_tied_gradients()
+        self._average_over_replicas()
+        grad_norm = self._clip_gradients()
+        lr = float(self.scheduler.get_last_lr()[0])
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = torch.stack(losses).mean().detach() if losses else torch.zeros(())
+        return StepOutput(loss=loss, grad_norm=grad_norm, lr=lr)
+
+    def _record_step_time(self, seconds: float) -> None:
+        """Step time after the first step (which also infers shapes and warms up)."""
+        self._steps_run += 1
+        if self._steps_run == 1:
+            self._busy_at_first_step = sum(stage.busy_s for stage in self.stages)
+        else:
+            self._step_s += seconds
+
+    def _tied_pair(self) -> tuple[nn.Parameter | None, nn.Parameter | None]:
+        first = self.modules[0].tok_emb.weight if self.holds_first else None
+        last = self.modules[self.num_stages - 1].lm_head.weight if self.holds_last else None
+        return cast(nn.Parameter | None, first), cast(nn.Parameter | None, last)
+
+    def _sum_tied_gradients(self) -> None:
+        first, last = self._tied_pair()
+        if first is not None and last is not None:  # both copies on this rank
+            assert first.grad is not None and last.grad is not None
+            total = first.grad + last.grad
+            first.grad.copy_(total)
+            last.grad.copy_(total)
+            return
+        held = first if first is not None else last
+        if held is not None:
+            assert held.grad is not None
+            dist.all_reduce(held.grad, group=self.tie_group)
+
+    def _average_over_replicas(self) -> None:
+        if self.dp_size == 1:
+            return
+        grads = [p.grad for p in self._params() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= self.dp_size
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _clip_gradients(self) -> float:
+        """Clip by the norm of the whole model's gradient, as `clip_grad_norm_` would."""
+        _, tied_copy = self._tied_pair()
+        squares = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        for p in self._params():
+            if p.grad is not None and p is not tied_copy:  # the tied weight counts once
+                squares += p.grad.float().pow(2).sum()
+        dist.all_reduce(squares, group=self.pp_group)
+        norm = squares.sqrt()
+        if self.cfg.optim.grad_clip:
+            coef = torch.clamp(self.cfg.optim.grad_clip / (norm + 1e-6), max=1.0)
+            for p in self._params():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return float(norm)
+
+    # ---- evaluation and reductions ------------------------------------------------------
+
+    @torch.no_grad()
+    def eval_loss(self, batches: list[Batch]) -> tuple[float, int]:
+        """Each batch goes through the stages in order, activations passed point to point."""
+        sums = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
+        for module in self.modules.values():
+            module.eval()
+        for x, y in batches:
+            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+            act = self._eval_forward(x, shape=(*x.shape, self.cfg.model.n_embd))
+            if self.holds_last:
+                loss = next_token_loss(act, y)
+                sums[0] += loss.double() * y.numel()
+                sums[1] += y.numel()
+        for module in self.modules.values():
+            module.train()
+        dist.all_reduce(sums)
+        return float(sums[0]), int(sums[1])
+
+    def _eval_forward(self, x: torch.Tensor, *, shape: tuple[int, ...]) -> torch.Tensor:
+        act = x
+        for s in range(self.num_stages):
+            owner = self.owners[s]
+            if owner != self.pp_rank:
+                continue
+            if s > 0 and self.owners[s - 1] != owner:
+                act = torch.empty(shape, device=self.ctx.device)
+                dist.recv(act, src=self._global_rank(pp_rank=self.owners[s - 1]))
+            act = self.modules[s](act)
+            if s < self.num_stages - 1 and self.owners[s + 1] != owner:
+                dist.send(act.contiguous(), dst=self._global_rank(pp_rank=self.owners[s + 1]))
+        return act
+
+    def global_mean(self, value: torch.Tensor) -> float:
+        """Mean over the replicas of a value only the last stage knows (the loss)."""
+        value = value.detach().to(self.ctx.device, torch.float64).clone()
+        if not self.holds_last:
+            value.zero_()
+        dist.all_reduce(value)
+        return float(value) / self.dp_size
+
+    def comm_bytes_per_step(self) -> int:
+        """Modelled: activations out and their gradients back across every stage boundary
+        between ranks, the gradient all-reduce over replicas, and the tied weight's."""
+        t, m = self.cfg.train, self.cfg.model
+        activation = t.micro_batch_size * m.block_size * m.n_embd * 4
+        crossings = 0
+        for s in self.stage_ids:
+            crossings += s < self.num_stages - 1 and self.owners[s + 1] != self.pp_rank
+            crossings += s > 0 and self.owners[s - 1] != self.pp_rank
+        numel = sum(p.numel() for p in self._params())
+        replicas = ring_allreduce_bytes(numel, element_size=4, world_size=self.dp_size)
+        first, last = self._tied_pair()
+        held = first if first is not None else last
+        tied = 0
+        if self.tie_group is not None and held is not None:
+            tied = ring_allreduce_bytes(held.numel(), element_size=4, world_size=2)
+        return crossings * self.cfg.strategy.microbatches * activation + replicas + tied
+
+    def layout_notes(self) -> list[str]:
+        s = self.cfg.strategy
+        return [
+            f"pipeline ({s.engine}, {s.schedule}): {self.pp_size} ranks × {self.dp_size} "
+            f"replicas, {self.num_stages} stages, {s.microbatches} micro-batches per step",
+            self.split_description,
+        ]
+
+    def run_metrics(self) -> dict[str, Any]:
+        """Bubble and activation memory of every rank and stage (a collective)."""
+        busy = sum(stage.busy_s for stage in self.stages) - self._busy_at_first_step
+        mine = {
+            "pp_rank": self.pp_rank,
+            "dp_rank": self.dp_rank,
+            "busy_s": busy,
+            "step_s": self._step_s,
+            "activation_peak_bytes": {s.stage_index: s.meter.peak_bytes for s in self.stages},
+        }
+        everyone: list[Any] = [None] * self.ctx.world_size
+        dist.all_gather_object(everyone, mine)
+        replica0 = sorted((r for r in everyone if r["dp_rank"] == 0), key=lambda r: r["pp_rank"])
+        bubbles = [1.0 - r["busy_s"] / r["step_s"] if r["step_s"] else math.nan for r in replica0]
+        peaks: dict[int, int] = {}
+        for r in replica0:
+            peaks.update(r["activation_peak_bytes"])
+        return {
+            "pipeline": {
+                "schedule": self.cfg.strategy.schedule,
+                "stages": self.num_stages,
+                "split": self.split_description,
+                "bubble_fraction": sum(bubbles) / len(bubbles),
+                "bubble_fraction_per_rank": bubbles,
+                "activation_peak_bytes_per_stage": [peaks[s] for s in sorted(peaks)],
+            }
+        }
+
+    # ---- state --------------------------------------------------------------------------
+
+    def checkpoint_files(self) -> dict[str, Any]:
+        """Replica 0's ranks write their stages' weights and their optimizer state; rank 0
+        the LR schedule. Replicas are identical, so the others write nothing."""
+        assert self.optimizer is not None and self.scheduler is not None, "setup() first"
+        if self.dp_rank != 0:
+            return {}
+        files: dict[str, Any] = {
+            stage_file(s): self.modules[s].state_dict() for s in self.stage_ids
+        }
+        files[rank_file("optimizer", self.pp_rank)] = self.optimizer.state_dict()
+        if self.ctx.rank == 0:
+            files["scheduler.pt"] = self.scheduler.state_dict()
+        return files
+
+    def load_checkpoint(self, checkpoint: Checkpoint) -> list[str]:
+        assert self.optimizer is not None and self.scheduler is not None, "setup() first"
+        reason = self._why_not_exact(checkpoint)
+        if reason is None:
+            for s in self.stage_ids:
+                self.modules[s].load_state_dict(checkpoint.load(stage_file(s)))
+            self.optimizer.load_state_dict(checkpoint.load(rank_file("optimizer", self.pp_rank)))
+            self.scheduler.load_state_dict(checkpoint.load("scheduler.pt"))
+            return []
+        full = checkpoint.full_weights()
+        for module in self.modules.values():
+            module.load_state_dict({name: full[name] for name in module.state_dict()})
+        fast_forward_schedule(self.scheduler, step=checkpoint.step)
+        return [f"optimizer state re-initialised ({reason})"]
+
+    def _why_not_exact(self, checkpoint: Checkpoint) -> str | None:
+        """Why the checkpoint's stage files and optimizer state do not fit this layout."""
+        source = checkpoint.manifest.get("strategy")
+        if source != self.name:
+            return f"the checkpoint is from {source}"
+        saved = config_from_dict(checkpoint.manifest["spec"])
+        layout = (saved.strategy.stages, saved.pipeline_virtual_stages)
+        mine = (self.pp_size, self.cfg.pipeline_virtual_stages)
+        if layout != mine or SCHEDULES[saved.strategy.schedule][1] != self.style:
+            return (
+                f"the checkpoint has {layout[0]} pipeline ranks × {layout[1]} stages placed "
+                f"{SCHEDULES[saved.strategy.schedule][1]}-style, this run {mine[0]} × {mine[1]} "
+                f"{self.style}-style"
+            )
+        if saved.strategy.engine != self.cfg.strategy.engine:
+            return f"the checkpoint is from the {saved.strategy.engine} engine"
+        return None
+
+    def model_state_bytes(self) -> dict[str, int]:
+        assert self.optimizer is not None, "setup() first"
+        return {
+            "params": storage_bytes(p.data for p in self._params()),
+            "grads": self._peak_grad_bytes,
+            "optimizer": storage_bytes(tensors_in(self.optimizer.state)),
+        }
