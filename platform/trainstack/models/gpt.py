@@ -14,6 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from trainstack.config import ModelConfig
 
@@ -102,7 +103,11 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx)
         for block in self.blocks:
-            x = block(x)
+            if self.cfg.activation_checkpointing and self.training:
+                # Keep only the block's input; recompute its insides in the backward pass.
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.logits(x)
 
     def num_params(self) -> int:

@@ -1,0 +1,179 @@
+"""Pipeline parallelism over gloo processes: every schedule, alone and × data parallel,
+trains what one process trains; 1F1B holds fewer activations than GPipe; checkpoints
+resume exactly and load into other layouts and strategies."""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from trainstack import checkpoint as ckpt
+from trainstack.cli import main as cli_main
+from trainstack.config import config_from_dict
+from trainstack.models import build_model
+from trainstack.runtime.local import run_processes
+
+GLOBAL_BATCH = 16
+TOLERANCE = 1e-5
+
+
+def spec(
+    storage: Path,
+    *,
+    kind: str = "pipeline",
+    micro: int = 4,
+    workers: int = 1,
+    steps: int = 10,
+    kill: int | None = None,
+    checkpointing: bool = False,
+    **strategy: Any,
+) -> dict:
+    return {
+        "name": "pp",
+        "model": {
+            "kind": "gpt",
+            "n_layer": 8,
+            "n_head": 2,
+            "n_embd": 32,
+            "block_size": 16,
+            "activation_checkpointing": checkpointing,
+        },
+        "data": {"vocab_size": 16, "order": 1, "eval_samples": 32},
+        "train": {"steps": steps, "global_batch_size": GLOBAL_BATCH, "micro_batch_size": micro},
+        "optim": {"lr": 1e-2, "warmup_steps": 2, "grad_clip": 1.0, "weight_decay": 0.1},
+        "strategy": {"kind": kind, **strategy},
+        "scaling": {"num_workers": workers},
+        "checkpoint": {"every_steps": 5, "keep": 10, "storage_path": str(storage)},
+        "log": {"every_steps": 1},
+        "faults": {"kill_at_steps": [kill], "rank": 1} if kill else {},
+    }
+
+
+def pipeline(storage: Path, *, schedule: str, p: int, d: int = 1, m: int = 4, **kw: Any) -> dict:
+    return spec(
+        storage,
+        micro=GLOBAL_BATCH // (d * m),
+        workers=p * d,
+        schedule=schedule,
+        stages=p,
+        data_parallel=d,
+        microbatches=m,
+        **kw,
+    )
+
+
+def train(raw: dict, out: Path, **kw: Any) -> dict[str, Any]:
+    cfg = config_from_dict(raw)
+    return run_processes(cfg, world_size=cfg.scaling.num_workers, out_dir=out, **kw)
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = torch.load(out / "model.pt", weights_only=True)
+    return state
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Single-process training on the same global batch, per micro-batch size (so the
+    gradient is accumulated over the same micro-batches as the pipeline's)."""
+    made: dict[int, dict[str, torch.Tensor]] = {}
+
+    def get(micro: int) -> dict[str, torch.Tensor]:
+        if micro not in made:
+            tmp = tmp_path_factory.mktemp(f"reference{micro}")
+            train(spec(tmp / "runs", kind="ddp", micro=micro), tmp / "out")
+            made[micro] = weights(tmp / "out")
+        return made[micro]
+
+    return get
+
+
+LAYOUTS = [
+    (schedule, p, d, m)
+    for schedule in ("gpipe", "1f1b", "interleaved", "zb_interleaved", "zbv", "dualpipev")
+    for p, d, m in ((2, 1, 4), (2, 2, 4))
+] + [("gpipe", 4, 1, 4), ("1f1b", 4, 1, 4), ("interleaved", 4, 1, 4), ("zbv", 4, 1, 8)]
+
+
+@pytest.mark.parametrize(("schedule", "p", "d", "m"), LAYOUTS)
+def test_schedule_matches_single_process_training_after_10_steps(
+    tmp_path: Path, reference: Any, schedule: str, p: int, d: int, m: int
+) -> None:
+    summary = train(pipeline(tmp_path / "runs", schedule=schedule, p=p, d=d, m=m), tmp_path)
+    assert max_difference(weights(tmp_path), reference(GLOBAL_BATCH // (d * m))) < TOLERANCE
+    assert summary["world_size"] == p * d
+    bubbles = summary["pipeline"]["bubble_fraction_per_rank"]
+    assert len(bubbles) == p and all(0 < b < 1 for b in bubbles)
+
+
+def test_activation_checkpointing_trains_the_same_and_keeps_less(
+    tmp_path: Path, reference: Any
+) -> None:
+    peaks = {}
+    for checkpointing in (False, True):
+        out = tmp_path / str(checkpointing)
+        raw = pipeline(out / "runs", schedule="1f1b", p=2, checkpointing=checkpointing)
+        summary = train(raw, out)
+        assert max_difference(weights(out), reference(4)) < TOLERANCE
+        peaks[checkpointing] = summary["pipeline"]["activation_peak_bytes_per_stage"]
+    # Checkpointed, a stage keeps each block's input instead of every intermediate.
+    assert all(on < off / 4 for on, off in zip(peaks[True], peaks[False], strict=True))
+
+
+def test_1f1b_holds_p_minus_s_micro_batches_where_gpipe_holds_all(tmp_path: Path) -> None:
+    """Stage s of 1F1B keeps at most p - s micro-batches' activations; GPipe keeps m."""
+    p, m = 2, 8
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        out = tmp_path / schedule
+        summary = train(pipeline(out / "runs", schedule=schedule, p=p, m=m, steps=3), out)
+        peaks[schedule] = summary["pipeline"]["activation_peak_bytes_per_stage"]
+    for s in range(p):
+        ratio = peaks["gpipe"][s] / peaks["1f1b"][s]
+        assert ratio == pytest.approx(m / (p - s), rel=0.01)
+
+
+def test_killed_pipeline_resumes_bitwise_identically(tmp_path: Path) -> None:
+    raw = pipeline(tmp_path / "once" / "runs", schedule="1f1b", p=2, steps=12)
+    train(raw, tmp_path / "once")
+    killed = pipeline(tmp_path / "kill" / "runs", schedule="1f1b", p=2, steps=12, kill=8)
+    with pytest.raises(Exception):  # noqa: B017 - the killed process's exit surfaces as any error
+        train(killed, tmp_path / "kill")
+    summary = train(killed, tmp_path / "kill")
+    assert summary["resumed_from_step"] == 5
+    once, resumed = weights(tmp_path / "once"), weights(tmp_path / "kill")
+    assert all(torch.equal(once[k], resumed[k]) for k in once)
+
+
+def test_stage_shards_merge_into_weights_any_strategy_loads(tmp_path: Path) -> None:
+    raw = pipeline(tmp_path / "runs", schedule="zbv", p=2)
+    summary = train(raw, tmp_path / "pp")
+    final = ckpt.resolve(ckpt.run_dir_for(config_from_dict(raw)))
+    stage_files = [name for name in final.manifest["files"] if name.startswith("model/")]
+    assert len(stage_files) == 4 and not final.has("model.pt")
+
+    # The merged shards are the whole model: one process evaluates it to the same loss.
+    cfg = config_from_dict(raw)
+    model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=0)
+    model.load_state_dict(final.full_weights())
+    exported = tmp_path / "exported.pt"
+    assert cli_main(["export", str(final.path), "--out", str(exported)]) == 0
+    assert torch.load(exported, weights_only=True).keys() == model.state_dict().keys()
+
+    # ... and DDP and a 4-rank 1F1B pipeline continue from it.
+    for name, later in (
+        ("ddp", spec(tmp_path / "ddp-runs", kind="ddp", workers=2, steps=14)),
+        ("pp4", pipeline(tmp_path / "pp4-runs", schedule="1f1b", p=4, steps=14)),
+    ):
+        resumed = train(later, tmp_path / name, resume_from=final.path)
+        assert resumed["resumed_from_step"] == 10
+        start = json.loads((tmp_path / name / "events.jsonl").read_text().splitlines()[0])
+        assert any("optimizer state re-initialised" in note for note in start["notes"])
+        assert resumed["final_loss"] < summary["final_loss"] + 0.05
