@@ -202,7 +202,7 @@ def test_lenient_scalar_coercion() -> None:
         ({"checkpoint": {"storage_path": ""}}, "checkpoint.storage_path='' is empty"),
         (
             {"strategy": {"kind": "dpp"}},
-            "strategy.kind='dpp' is not one of ddp, zero; did you mean 'ddp'?",
+            "strategy.kind='dpp' is not one of ddp, zero, pipeline; did you mean 'ddp'?",
         ),
         ({"log": {"progress": "bars"}}, "log.progress='bars' is not one of auto, bar, lines"),
         ({"optim": {"warmup_steps": 200}}, "optim.warmup_steps=200 must be less than train.steps"),
@@ -374,7 +374,10 @@ def test_deepspeed_section_passes_through_valid_keys_under_zero() -> None:
 
 def test_deepspeed_section_only_with_zero() -> None:
     message = error_of({"deepspeed": {"steps_per_print": 10}})
-    assert message == "deepspeed: raw DeepSpeed keys apply only with strategy.kind=zero; got ddp"
+    assert message == (
+        "deepspeed: raw DeepSpeed keys apply only with strategy.kind=zero or "
+        "strategy.engine=deepspeed; got strategy.kind=ddp"
+    )
 
 
 def test_unknown_deepspeed_key_names_it_and_the_nearest_valid_one() -> None:

@@ -1,0 +1,568 @@
+"""Pipeline parallelism on DeepSpeed's PipelineEngine, alone or × data parallel (2D).
+
+The same layout as `pipeline.py` (the torch engine), so a run means the same either
+way: `p = strategy.stages` pipeline ranks times `d = strategy.data_parallel` replicas,
+global rank = pp_rank × d + dp_rank (DeepSpeed's `PipeDataParallelTopology` numbers
+them so too); the GPT is cut where `split_stages` cuts it, one stage per rank; the
+stage files hold the full GPT's parameter names.
+
+The GPT becomes a `PipelineModule` of layers: the token embedding, the position
+embedding with dropout, the blocks, the final LayerNorm and the LM head. The token
+embedding and the LM head are one `TiedLayerSpec`: the first and the last stage each
+hold a copy of the tied weight, and DeepSpeed sums their gradients between the two
+(`ReduceTiedGrads`), so both copies take the same update, as the tied model's one
+weight does.
+
+One `train_batch` runs DeepSpeed's own 1F1B-style schedule over the replica's
+`strategy.microbatches` micro-batches (the loss scaled by 1/m on the last stage), sums
+the tied gradients, averages every gradient over the replicas, clips by the global
+norm and steps trainstack's optimizer and LR schedule (runtime/optim.py), handed to
+`deepspeed.initialize` as under ZeRO.
+
+Clipping needs one flag. Without ZeRO, DeepSpeed clips with `runtime.utils.clip_grad_norm_`,
+which sums squares over the pipeline (its "model parallel" group) but on stages > 0
+counts only parameters flagged `model_parallel` (Megatron's convention for tensors that
+differ between model-parallel ranks); unflagged, the norm would be stage 0's alone.
+So every parameter is flagged except the tied weight's copy on the last stage (which
+DeepSpeed marks `ds_pipe_replicated`): the norm is the whole model's, the tied weight
+counted once. ZeRO-1 computes its norm by its own rule (all parameters, skipping
+`ds_pipe_replicated`), which the flag leaves as it is.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from deepspeed.runtime.pipe import schedule as ds_schedule
+from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+from deepspeed.runtime.utils import clip_grad_norm_
+from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from trainstack.checkpoint import Checkpoint, rank_file, stage_file
+from trainstack.config import JobConfig, ModelConfig, config_from_dict
+from trainstack.models.gpt import GPT, Block
+from trainstack.runtime.optim import build_optimizer, build_scheduler, scaled_lr
+from trainstack.strategies.base import (
+    Batch,
+    StepOutput,
+    WorkerContext,
+    fast_forward_schedule,
+    next_token_loss,
+    ring_allreduce_bytes,
+    storage_bytes,
+    tensors_in,
+)
+from trainstack.strategies.pipeline_probe import SavedActivationMeter
+from trainstack.strategies.pipeline_split import StageSplit, split_stages
+from trainstack.strategies.zero import (
+    _UNSAVED_OPTIMIZER_KEYS,
+    _deep_merge,
+    _master_partitions,
+    _plain,
+)
+
+_TIE_KEY = "embed"
+"""The TiedLayerSpec key of the token embedding / LM head weight."""
+
+
+def pipeline_deepspeed_config(cfg: JobConfig) -> dict[str, Any]:
+    """DeepSpeed's config for a pipeline job: derived from the spec (ZeRO stage 0 unless
+    `deepspeed.zero_optimization` says 1), then `cfg.deepspeed` deep-merged."""
+    derived = {
+        "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum_steps,
+        "gradient_clipping": cfg.optim.grad_clip,
+        "bf16": {"enabled": cfg.train.precision == "bf16"},
+        "zero_optimization": {"stage": 0},
+        "log_level": "warning",  # trainstack reports progress itself
+    }
+    return _deep_merge(derived, cfg.deepspeed)
+
+
+# ---- the GPT as pipeline layers -------------------------------------------------------
+
+
+class TokenEmbedding(nn.Module):
+    """The tied weight: a token lookup on the first stage, the LM head on the last."""
+
+    def __init__(self, vocab_size: int, n_embd: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, n_embd))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return F.embedding(idx, self.weight)
+
+
+def lm_head(embedding: TokenEmbedding, x: torch.Tensor) -> torch.Tensor:
+    """`GPT.lm_head` (no bias) with the tied weight: [B, T, C] -> [B, T, V]."""
+    return F.linear(x, embedding.weight)
+
+
+class PositionEmbedding(nn.Module):
+    """The rest of `GPT.embed`: add the position embedding, then dropout."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(x.shape[1], device=x.device)
+        return self.drop(x + self.pos_emb(pos))
+
+
+class CheckpointedBlock(Block):
+    """A block that keeps only its input and recomputes its insides in backward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return super().forward(x)
+        out: torch.Tensor = checkpoint(super().forward, x, use_reentrant=False)
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineLayers:
+    """The GPT as DeepSpeed layer specs, the stage cuts, and the GPT's parameter names.
+
+    Layers: 0 token embedding (tied), 1 position embedding, 2 .. n_layer+1 the blocks,
+    n_layer+2 the final LayerNorm, n_layer+3 the LM head (tied). Stage s holds layers
+    `parts[s]` .. `parts[s+1]-1`.
+    """
+
+    specs: list[LayerSpec]
+    parts: list[int]
+    prefixes: dict[int, str]
+    """Layer index -> prefix of its parameters' names in the GPT."""
+
+    @classmethod
+    def of(cls, model: GPT, split: StageSplit) -> PipelineLayers:
+        cfg, n = model.cfg, len(model.blocks)
+        vocab, width = model.vocab_size, cfg.n_embd
+        block = CheckpointedBlock if cfg.activation_checkpointing else Block
+        specs = [
+            TiedLayerSpec(_TIE_KEY, TokenEmbedding, vocab, width),
+            LayerSpec(PositionEmbedding, cfg),
+            *(LayerSpec(block, cfg) for _ in range(n)),
+            LayerSpec(nn.LayerNorm, width),
+            TiedLayerSpec(_TIE_KEY, TokenEmbedding, vocab, width, forward_fn=lm_head),
+        ]
+        parts = [0, *(2 + blocks.start for blocks in split.blocks[1:]), n + 4]
+        prefixes = {1: "", **{2 + i: f"blocks.{i}." for i in range(n)}, n + 2: "ln_f."}
+        return cls(specs=specs, parts=parts, prefixes=prefixes)
+
+    def gpt_name(self, name: str, *, first_stage: bool) -> str:
+        """The GPT's name of a `PipelineModule` parameter (`3.attn.c_proj.weight` ->
+        `blocks.1.attn.c_proj.weight`); the tied weight is `tok_emb.weight` on the first
+        stage and `lm_head.weight` on the last, as in `StageModule`."""
+        if name.startswith("tied_modules."):
+            return "tok_emb.weight" if first_stage else "lm_head.weight"
+        index, rest = name.split(".", 1)
+        return self.prefixes[int(index)] + rest
+
+
+class SplitPipelineModule(PipelineModule):  # type: ignore[misc]
+    """A `PipelineModule` cut at given layer indices rather than by DeepSpeed's own
+    partitioning methods, so that both engines cut the GPT alike."""
+
+    def __init__(self, layers: list[LayerSpec], *, parts: list[int], **kwargs: Any) -> None:
+        self._given_parts = parts  # read by _partition_layers, which __init__ calls
+        super().__init__(layers, **kwargs)
+
+    def _partition_layers(self, method: str = "uniform") -> None:
+        self.parts = list(self._given_parts)
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+
+# ---- the strategy ---------------------------------------------------------------------
+
+
+class DeepSpeedPipelineStrategy:
+    name = "pipeline"
+
+    def __init__(self, cfg: JobConfig, ctx: WorkerContext) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        s = cfg.strategy
+        self.pp_size, self.dp_size = s.stages, s.data_parallel
+        self.pp_rank, self.dp_rank = divmod(ctx.rank, self.dp_size)
+        self.zero_stage = int(cfg.deepspeed.get("zero_optimization", {}).get("stage", 0))
+        self.engine: Any = None
+        """deepspeed.runtime.pipe.engine.PipelineEngine, built by `setup`."""
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.layers: PipelineLayers | None = None
+        self.split: StageSplit | None = None
+        self.meter = SavedActivationMeter()
+        self._busy_s = 0.0
+        self._step_s = 0.0
+        self._steps_run = 0
+        self._peak_grad_bytes = 0
+        self._grad_norm: float = math.nan
+
+    @property
+    def holds_first(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def holds_last(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def _global_rank(self, *, pp_rank: int) -> int:
+        return pp_rank * self.dp_size + self.dp_rank
+
+    # ---- setup --------------------------------------------------------------------------
+
+    def setup(self, model: nn.Module) -> None:
+        assert isinstance(model, GPT), "config validation admits only gpt"
+        self._init_deepspeed_comm()
+        self.split = split_stages(model, self.pp_size)
+        self.layers = PipelineLayers.of(model, self.split)
+        # No grad: the module broadcasts the tied weight in place while it is built, which
+        # outside no_grad leaves a "backprop through c10d::broadcast_" warning on its grad.
+        with torch.no_grad():
+            module = SplitPipelineModule(
+                self.layers.specs,
+                parts=self.layers.parts,
+                topology=PipeDataParallelTopology(num_pp=self.pp_size, num_dp=self.dp_size),
+                loss_fn=next_token_loss,
+            )
+        grid = module.mpu()
+        assert (grid.get_stage_id(), grid.get_data_parallel_id()) == (self.pp_rank, self.dp_rank)
+        full = model.state_dict()
+        module.load_state_dict({name: full[self._gpt_name(name)] for name in module.state_dict()})
+        _flag_for_clipping(module)
+        lr = scaled_lr(self.cfg.optim, data_parallel_size=self.dp_size)
+        optimizer = build_optimizer(module, self.cfg.optim, lr=lr)
+        self.scheduler = build_scheduler(
+            optimizer, self.cfg.optim, total_steps=self.cfg.train.steps
+        )
+        self.engine, *_ = deepspeed.initialize(
+            model=module,
+            optimizer=optimizer,
+            lr_scheduler=self.scheduler,
+            config=pipeline_deepspeed_config(self.cfg),
+            dist_init_required=False,
+        )
+        self._keep_clip_norm()
+        self._probe_compute()
+
+    def _init_deepspeed_comm(self) -> None:
+        """deepspeed.comm over the process group trainstack made (PipelineModule needs it
+        before `deepspeed.initialize`)."""
+        if self.ctx.device.type == "cpu":
+            # As in zero.py: no JIT-compiled shared-memory all-reduce; gloo it is.
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        index = self.ctx.device.index
+        os.environ["LOCAL_RANK"] = str(self.ctx.local_rank if index is None else index)
+        from deepspeed.accelerator import get_accelerator
+
+        backend = get_accelerator().communication_backend_name()
+        deepspeed.comm.init_distributed(dist_backend=backend, dist_init_required=False)
+
+    def _gpt_name(self, name: str) -> str:
+        assert self.layers is not None, "setup() first"
+        return self.layers.gpt_name(name, first_stage=self.holds_first)
+
+    def _keep_clip_norm(self) -> None:
+        """Stage 0 clips in `engine.clip_fp32_gradients`, which drops the norm it computes;
+        keep it (ZeRO-1's optimizer keeps its own)."""
+        engine = self.engine
+
+        def clip_and_keep() -> None:
+            norm = clip_grad_norm_(
+                parameters=engine.module.parameters(),
+                max_norm=engine.gradient_clipping(),
+                mpu=engine.mpu,
+            )
+            engine._global_grad_norm = float(norm)
+
+        engine.clip_fp32_gradients = clip_and_keep
+
+    def _probe_compute(self) -> None:
+        """Time the engine's forward and backward instructions, meter forward's saved
+        activations and the gradients backward leaves. The engine looks each instruction
+        up in `_INSTRUCTION_MAP`; a copy on the instance wraps two of them."""
+        engine = self.engine
+        params = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
+        self.meter = SavedActivationMeter(exclude=params)
+        instructions = dict(engine._INSTRUCTION_MAP)
+        forward = instructions[ds_schedule.ForwardPass]
+        backward = instructions[ds_schedule.BackwardPass]
+
+        def timed_forward(engine_self: Any, **kwargs: Any) -> None:
+            with self._busy(), self.meter.recording():
+                forward(engine_self, **kwargs)
+
+        def timed_backward(engine_self: Any, **kwargs: Any) -> None:
+            with self._busy():
+                backward(engine_self, **kwargs)
+            self._peak_grad_bytes = max(self._peak_grad_bytes, self._held_grad_bytes())
+
+        instructions[ds_schedule.ForwardPass] = timed_forward
+        instructions[ds_schedule.BackwardPass] = timed_backward
+        engine._INSTRUCTION_MAP = instructions
+
+    @contextmanager
+    def _busy(self) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        if self._steps_run > 0:  # the first step also sends shapes and warms up
+            self._busy_s += time.perf_counter() - start
+
+    def unwrapped_model(self) -> nn.Module:
+        """This rank's stage: a `PipelineModule` (its own names; `checkpoint_files` has the
+        GPT's)."""
+        assert self.engine is not None, "setup() first"
+        module: nn.Module = self.engine.module
+        return module
+
+    def _params(self) -> list[nn.Parameter]:
+        return [p for p in self.unwrapped_model().parameters() if p.requires_grad]
+
+    # ---- training -----------------------------------------------------------------------
+
+    def train_step(self, micro_batches: list[Batch]) -> StepOutput:
+        engine = self.engine
+        assert engine is not None and self.scheduler is not None, "setup() first"
+        assert len(micro_batches) == engine.micro_batches, (len(micro_batches), "per step")
+        lr = float(self.scheduler.get_last_lr()[0])
+        start = time.perf_counter()
+        engine.train_batch(data_iter=iter(micro_batches))
+        if self._steps_run > 0:
+            self._step_s += time.perf_counter() - start
+        self._steps_run += 1
+        grad_norm = engine.get_global_grad_norm()
+        return StepOutput(
+            loss=engine.dp_group_loss.detach().clone(),  # the last stage's, on every rank
+            grad_norm=float(grad_norm) if grad_norm is not None else math.nan,
+            lr=lr,
+        )
+
+    def _held_grad_bytes(self) -> int:
+        grads = [p.grad for p in self._params() if p.grad is not None]
+        if self.zero_stage:
+            grads += [m.grad for m in _master_partitions(self.engine.optimizer) if m.grad is not None]
+        return storage_bytes(grads)
+
+    # ---- evaluation and reductions ------------------------------------------------------
+
+    @torch.no_grad()
+    def eval_loss(self, batches: list[Batch]) -> tuple[float, int]:
+        """Each batch goes through the replica's stages in order, activations passed point
+        to point (DeepSpeed's `eval_batch` wants the same micro-batch count and shape on
+        every replica, which held-out shares need not have)."""
+        module = self.unwrapped_model()
+        module.eval()
+        dtype = next(module.parameters()).dtype  # bf16 when DeepSpeed trains in bf16
+        sums = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
+        for x, y in batches:
+            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+            act = x
+            if not self.holds_first:
+                shape = (*x.shape, self.cfg.model.n_embd)
+                act = torch.empty(shape, dtype=dtype, device=self.ctx.device)
+                dist.recv(act, src=self._global_rank(pp_rank=self.pp_rank - 1))
+            act = module(act)
+            if self.holds_last:
+                loss = next_token_loss(act, y)
+                sums[0] += loss.double() * y.numel()
+                sums[1] += y.numel()
+            else:
+                dist.send(act.contiguous(), dst=self._global_rank(pp_rank=self.pp_rank + 1))
+        module.train()
+        dist.all_reduce(sums)
+        return float(sums[0]), int(sums[1])
+
+    def global_mean(self, value: torch.Tensor) -> float:
+        """Mean over the replicas of a value only the last stage knows (the loss)."""
+        value = value.detach().to(self.ctx.device, torch.float64).clone()
+        if not self.holds_last:
+            value.zero_()
+        dist.all_reduce(value)
+        return float(value) / self.dp_size
+
+    def comm_bytes_per_step(self) -> int:
+        """Modelled: activations out and their gradients back across this rank's stage
+        boundaries, the gradient all-reduce over replicas (ZeRO-1: a reduce-scatter and
+        the updated parameters' all-gather, the same bytes), and the tied weight's."""
+        t, m = self.cfg.train, self.cfg.model
+        element = 2 if t.precision == "bf16" else 4
+        activation = t.micro_batch_size * m.block_size * m.n_embd * element
+        crossings = int(not self.holds_first) + int(not self.holds_last)
+        numel = sum(p.numel() for p in self._params())
+        replicas = ring_allreduce_bytes(numel, element_size=element, world_size=self.dp_size)
+        tied = 0
+        if self.holds_first or self.holds_last:
+            tied_numel = self.cfg.data.vocab_size * m.n_embd
+            tied = ring_allreduce_bytes(tied_numel, element_size=element, world_size=2)
+        return crossings * self.cfg.strategy.microbatches * activation + replicas + tied
+
+    def layout_notes(self) -> list[str]:
+        s = self.cfg.strategy
+        assert self.split is not None, "setup() first"
+        return [
+            f"pipeline (deepspeed PipelineEngine, ZeRO stage {self.zero_stage}): "
+            f"{self.pp_size} ranks × {self.dp_size} replicas, {s.microbatches} micro-batches "
+            "per step",
+            self.split.describe(),
+        ]
+
+    def run_metrics(self) -> dict[str, Any]:
+        """Split, per-stage parameters, bubble and activation memory (a collective)."""
+        assert self.split is not None, "setup() first"
+        mine = {
+            "pp_rank": self.pp_rank,
+            "dp_rank": self.dp_rank,
+            "params": sum(p.numel() for p in self._params()),
+            "busy_s": self._busy_s,
+            "step_s": self._step_s,
+            "activation_peak_bytes": self.meter.peak_bytes,
+        }
+        everyone: list[Any] = [None] * self.ctx.world_size
+        dist.all_gather_object(everyone, mine)
+        replica0 = sorted((r for r in everyone if r["dp_rank"] == 0), key=lambda r: r["pp_rank"])
+        bubbles = [1.0 - r["busy_s"] / r["step_s"] if r["step_s"] else math.nan for r in replica0]
+        return {
+            "pipeline": {
+                "engine": "deepspeed",
+                "schedule": self.cfg.strategy.schedule,
+                "stages": self.pp_size,
+                "split": self.split.describe(),
+                "params_per_stage": [r["params"] for r in replica0],
+                "bubble_fraction": sum(bubbles) / len(bubbles),
+                "bubble_fraction_per_rank": bubbles,
+                "activation_peak_bytes_per_stage": [r["activation_peak_bytes"] for r in replica0],
+            }
+        }
+
+    # ---- state --------------------------------------------------------------------------
+
+    def checkpoint_files(self) -> dict[str, Any]:
+        """Replica 0's ranks write their stage's fp32 weights under the GPT's names and
+        (ZeRO stage 0) their optimizer state; under ZeRO-1 every rank writes its optimizer
+        shard; rank 0 the LR schedule. A collective under ZeRO-1 (gathering weights)."""
+        assert self.scheduler is not None, "setup() first"
+        weights = self._fp32_weights()
+        files: dict[str, Any] = {}
+        if self.zero_stage:
+            shard = self.engine.optimizer.state_dict()
+            files[rank_file("optimizer", self.ctx.rank)] = {
+                key: _plain(value)
+                for key, value in shard.items()
+                if key not in _UNSAVED_OPTIMIZER_KEYS
+            }
+        elif self.dp_rank == 0:
+            files[rank_file("optimizer", self.pp_rank)] = self.engine.optimizer.state_dict()
+        if self.dp_rank == 0:
+            files[stage_file(self.pp_rank)] = weights
+        if self.ctx.rank == 0:
+            files["scheduler.pt"] = self.scheduler.state_dict()
+        return files
+
+    def _fp32_weights(self) -> dict[str, torch.Tensor]:
+        """This stage's state dict under the GPT's names, parameters from the fp32 master
+        copy where DeepSpeed keeps one (ZeRO-1, bf16). A collective there."""
+        module = self.unwrapped_model()
+        master = {id(p): safe_get_full_fp32_param(p) for p in self._params()}
+        return {
+            self._gpt_name(name): _fp32_copy(master.get(id(value)), value)
+            for name, value in module.state_dict(keep_vars=True).items()
+        }
+
+    def load_checkpoint(self, checkpoint: Checkpoint) -> list[str]:
+        engine = self.engine
+        assert engine is not None and self.scheduler is not None, "setup() first"
+        reason = self._why_not_exact(checkpoint)
+        if reason is None:
+            self._load_weights(checkpoint.load(stage_file(self.pp_rank)))
+            self._load_optimizer(checkpoint)
+            self.scheduler.load_state_dict(checkpoint.load("scheduler.pt"))
+            notes = []
+        else:
+            self._load_weights(checkpoint.full_weights())
+            fast_forward_schedule(self.scheduler, step=checkpoint.step)
+            notes = [f"optimizer state re-initialised ({reason})"]
+        engine.global_steps = checkpoint.step
+        engine.global_samples = checkpoint.samples_seen
+        return notes
+
+    def _why_not_exact(self, checkpoint: Checkpoint) -> str | None:
+        """Why the checkpoint's stage files and optimizer state do not fit this layout."""
+        source = checkpoint.manifest.get("strategy")
+        if source != self.name:
+            return f"the checkpoint is from {source}"
+        saved = config_from_dict(checkpoint.manifest["spec"])
+        if saved.strategy.engine != "deepspeed":
+            return f"the checkpoint is from the {saved.strategy.engine} engine"
+        if saved.strategy.stages != self.pp_size:
+            return f"the checkpoint has {saved.strategy.stages} stages, this run {self.pp_size}"
+        zero_stage = int(saved.deepspeed.get("zero_optimization", {}).get("stage", 0))
+        if zero_stage != self.zero_stage:
+            return f"the checkpoint has ZeRO stage {zero_stage}, this run {self.zero_stage}"
+        if self.zero_stage and saved.strategy.data_parallel != self.dp_size:
+            return (
+                f"the checkpoint's ZeRO-1 shards are for {saved.strategy.data_parallel} "
+                f"replicas, this run has {self.dp_size}"
+            )
+        return None
+
+    def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """GPT-named weights into this stage, and into DeepSpeed's fp32 master copy if any."""
+        module = self.unwrapped_model()
+        names = {name: self._gpt_name(name) for name in module.state_dict()}
+        module.load_state_dict({name: weights[gpt] for name, gpt in names.items()})
+        for name, p in module.named_parameters():
+            if hasattr(p, "_hp_mapping"):
+                safe_set_full_fp32_param(p, weights[names[name]].to(self.ctx.device))
+
+    def _load_optimizer(self, checkpoint: Checkpoint) -> None:
+        optimizer = self.engine.optimizer
+        if not self.zero_stage:
+            optimizer.load_state_dict(checkpoint.load(rank_file("optimizer", self.pp_rank)))
+            return
+        shard = checkpoint.load(rank_file("optimizer", self.ctx.rank))
+        shard["loss_scaler"] = optimizer.loss_scaler
+        shards: list[dict[str, Any] | None] = [None] * self.dp_size
+        shards[self.dp_rank] = shard  # ZeRO reads its own data-parallel rank's entry
+        optimizer.load_state_dict(shards, load_optimizer_states=True, load_from_fp32_weights=True)
+
+    def model_state_bytes(self) -> dict[str, int]:
+        optimizer = self.engine.optimizer
+        if self.zero_stage:
+            state = [*_master_partitions(optimizer), *tensors_in(optimizer.optimizer.state)]
+        else:
+            state = tensors_in(optimizer.state)
+        return {
+            "params": storage_bytes(p.data for p in self._params()),
+            "grads": self._peak_grad_bytes,
+            "optimizer": storage_bytes(state),
+        }
+
+
+def _flag_for_clipping(module: PipelineModule) -> None:
+    """Flag the parameters DeepSpeed's fp32 clipping must count on every stage (see the
+    module docstring): all but the last stage's copy of the tied weight."""
+    for p in module.parameters():
+        p.model_parallel = not getattr(p, "ds_pipe_replicated", False)
+
+
+def _fp32_copy(master: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    source = master.reshape(value.shape) if master is not None else value
+    return source.detach().float().cpu().clone()
+
+
+__all__ = ["DeepSpeedPipelineStrategy", "PipelineLayers", "pipeline_deepspeed_config"]
