@@ -111,6 +111,14 @@ def test_schedule_matches_single_process_training_after_10_steps(
     assert summary["world_size"] == p * d
     bubbles = summary["pipeline"]["bubble_fraction_per_rank"]
     assert len(bubbles) == p and all(0 < b < 1 for b in bubbles)
+    # The schedule's own order, replayed with equal stages, has the textbook bubble ...
+    ideal = summary["pipeline"]["ideal_bubble_fraction"]
+    v = 1 if schedule in ("gpipe", "1f1b") else 2
+    textbook = (p - 1) / (v * m + p - 1)
+    if schedule in ("gpipe", "1f1b", "interleaved"):
+        assert ideal == pytest.approx(textbook)
+    else:  # ... and the zero-bubble family beats the interleaved one
+        assert ideal < textbook / 2
 
 
 def test_activation_checkpointing_trains_the_same_and_keeps_less(

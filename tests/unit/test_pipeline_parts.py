@@ -9,7 +9,11 @@ import torch
 from trainstack.config import ConfigError, ModelConfig, config_from_dict
 from trainstack.models.gpt import GPT
 from trainstack.strategies.base import next_token_loss
-from trainstack.strategies.pipeline_probe import SavedActivationMeter
+from trainstack.strategies.pipeline_probe import (
+    SavedActivationMeter,
+    simulated_bubble,
+    single_stage_orders,
+)
 from trainstack.strategies.pipeline_split import (
     StageModule,
     split_stages,
@@ -68,6 +72,24 @@ def test_v_placement_folds_the_chain_back_onto_rank_zero() -> None:
     assert stage_ranks(pp_size=2, num_stages=4, style="loop") == [0, 1, 0, 1]
     assert stage_ranks(pp_size=2, num_stages=4, style="v") == [0, 1, 1, 0]
     assert stage_ranks(pp_size=4, num_stages=8, style="v") == [0, 1, 2, 3, 3, 2, 1, 0]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 4), (4, 16), (8, 3)])
+def test_simulated_bubble_of_gpipe_and_1f1b_is_p_minus_1_over_m_plus_p_minus_1(
+    schedule: str, p: int, m: int
+) -> None:
+    orders = single_stage_orders(schedule, pp_size=p, microbatches=m)
+    assert simulated_bubble(orders, num_stages=p) == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_1f1b_order_keeps_at_most_p_minus_rank_forwards_in_flight() -> None:
+    for rank, order in single_stage_orders("1f1b", pp_size=4, microbatches=8).items():
+        in_flight = peak = 0
+        for kind, _, _ in order:
+            in_flight += 1 if kind == "F" else -1
+            peak = max(peak, in_flight)
+        assert peak == 4 - rank
 
 
 def saved_bytes(model: GPT, idx: torch.Tensor) -> tuple[int, dict[str, torch.Tensor]]:
@@ -133,13 +155,14 @@ def test_pipeline_layout_resolves_virtual_stages_and_replicas() -> None:
         ),
         (
             {"schedule": "interleaved", "virtual_stages": 3},
-            "model.n_layer=4 cannot be split into strategy.stages × virtual_stages = 2 × 3 = 6 stages",
+            "model.n_layer=4 cannot be split into strategy.stages × virtual_stages = 2 × 3",
         ),
         ({"schedule": "interleaved", "microbatches": 2, "stages": 4}, "scaling.num_workers"),
         ({"schedule": "zbv", "virtual_stages": 1}, "allowed: 0 or 2 (the V shape"),
         (
             {"schedule": "dualpipev", "microbatches": 2},
-            "strategy.microbatches=2 is out of range for strategy.schedule=dualpipev; allowed: >= 2 × strategy.stages = 4",
+            "strategy.microbatches=2 is out of range for strategy.schedule=dualpipev; "
+            "allowed: >= 2 × strategy.stages = 4",
         ),
         (
             {"engine": "deepspeed", "schedule": "gpipe"},

@@ -47,7 +47,13 @@ from trainstack.strategies.base import (
     storage_bytes,
     tensors_in,
 )
-from trainstack.strategies.pipeline_probe import ProbedStage, SavedActivationMeter
+from trainstack.strategies.pipeline_probe import (
+    ProbedStage,
+    SavedActivationMeter,
+    simulated_bubble,
+    single_stage_orders,
+    torch_schedule_orders,
+)
 from trainstack.strategies.pipeline_split import StageModule, split_stages, stage_ranks
 
 SCHEDULES: dict[str, tuple[Callable[..., schedules._PipelineSchedule], str]] = {
@@ -339,10 +345,23 @@ class PipelineStrategy:
                 "stages": self.num_stages,
                 "split": self.split_description,
                 "bubble_fraction": sum(bubbles) / len(bubbles),
+                "ideal_bubble_fraction": self.ideal_bubble_fraction(),
                 "bubble_fraction_per_rank": bubbles,
                 "activation_peak_bytes_per_stage": [peaks[s] for s in sorted(peaks)],
             }
         }
+
+    def ideal_bubble_fraction(self) -> float:
+        """The schedule's bubble with equal stages, free communication and a backward
+        costing two forwards (pipeline_probe.simulated_bubble)."""
+        s = self.cfg.strategy
+        if s.schedule in _SINGLE_STAGE:
+            orders = single_stage_orders(
+                s.schedule, pp_size=self.pp_size, microbatches=s.microbatches
+            )
+        else:
+            orders = torch_schedule_orders(getattr(self.schedule, "pipeline_order"))  # noqa: B009
+        return simulated_bubble(orders, num_stages=self.num_stages)
 
     # ---- state --------------------------------------------------------------------------
 

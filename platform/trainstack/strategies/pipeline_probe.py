@@ -105,3 +105,93 @@ class ProbedStage(PipelineStage):
         out = super().backward_weight_one_chunk(*args, **kwargs)
         self.busy_s += time.perf_counter() - start
         return out
+
+
+# ---- the schedule's own bubble, with no communication and equal stages -------------------
+
+ACTION_COSTS: dict[str, float] = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+"""Relative compute time of a stage's forward, full backward, backward for inputs and
+backward for weights (a backward costs twice a forward, split evenly by zero-bubble)."""
+
+Action = tuple[str, int, int]
+"""(kind, stage, micro-batch): kind F, B (full backward), I (input grads) or W (weight grads)."""
+
+
+def single_stage_orders(
+    schedule: str, *, pp_size: int, microbatches: int
+) -> dict[int, list[Action]]:
+    """The order in which each rank runs its one stage's actions under GPipe or 1F1B."""
+    orders: dict[int, list[Action]] = {}
+    for r in range(pp_size):
+        forwards = [("F", r, i) for i in range(microbatches)]
+        backwards = [("B", r, i) for i in range(microbatches)]
+        if schedule == "gpipe":
+            orders[r] = forwards + backwards
+            continue
+        warmup = min(microbatches, pp_size - 1 - r)
+        order = forwards[:warmup]
+        for i in range(microbatches - warmup):
+            order += [forwards[warmup + i], backwards[i]]
+        orders[r] = order + backwards[microbatches - warmup :]
+    return orders
+
+
+def torch_schedule_orders(pipeline_order: dict[int, list[Any]]) -> dict[int, list[Action]]:
+    """A torch multi-stage schedule's `pipeline_order`, compute actions only."""
+    kinds = {"F": "F", "B": "B", "I": "I", "W": "W"}
+    orders: dict[int, list[Action]] = {}
+    for rank, actions in pipeline_order.items():
+        flat = []
+        for action in actions:
+            if action is None:
+                continue
+            for part in action.sub_actions or (action,):
+                kind = kinds.get(part.computation_type.value)
+                if kind is not None:
+                    flat.append((kind, part.stage_index, part.microbatch_index))
+        orders[rank] = flat
+    return orders
+
+
+def simulated_bubble(orders: dict[int, list[Action]], *, num_stages: int) -> float:
+    """Mean idle fraction of the ranks when each runs its actions in order, each action
+    starting once its rank is free and its inputs exist, with ACTION_COSTS durations."""
+    finished: dict[tuple[str, int, int], float] = {}
+    clock = dict.fromkeys(orders, 0.0)
+    busy = dict.fromkeys(orders, 0.0)
+    position = dict.fromkeys(orders, 0)
+
+    def ready_at(kind: str, stage: int, mb: int) -> float | None:
+        if kind == "F":
+            needed = [] if stage == 0 else [("F", stage - 1, mb)]
+        elif kind in ("B", "I"):
+            if stage == num_stages - 1:
+                needed = [("F", stage, mb)]
+            else:  # the next stage's input gradient, from a full or an input-only backward
+                grad = ("B", stage + 1, mb) if ("B", stage + 1, mb) in finished else None
+                needed = [grad or ("I", stage + 1, mb)]
+        else:
+            needed = [("I", stage, mb)]
+        if any(n not in finished for n in needed):
+            return None
+        return max((finished[n] for n in needed), default=0.0)
+
+    remaining = sum(len(order) for order in orders.values())
+    while remaining:
+        progressed = False
+        for rank, order in orders.items():
+            while position[rank] < len(order):
+                kind, stage, mb = order[position[rank]]
+                inputs = ready_at(kind, stage, mb)
+                if inputs is None:
+                    break
+                start = max(clock[rank], inputs)
+                clock[rank] = start + ACTION_COSTS[kind]
+                busy[rank] += ACTION_COSTS[kind]
+                finished[(kind, stage, mb)] = clock[rank]
+                position[rank] += 1
+                remaining -= 1
+                progressed = True
+        assert progressed, "the schedule deadlocks"
+    makespan = max(clock.values())
+    return sum(1.0 - b / makespan for b in busy.values()) / len(busy)
