@@ -27,8 +27,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from trainstack.config import ConfigError, config_from_dict
+from trainstack.models import build_model
 from trainstack.runtime.local import run_processes
+from trainstack.strategies.base import next_token_loss
+from trainstack.strategies.pipeline_probe import SavedActivationMeter
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_interleaved", "zbv", "dualpipev")
 MICRO_BATCH = 4
@@ -115,6 +120,33 @@ def measure(
     return row
 
 
+def whole_model_activation_bytes(args: argparse.Namespace, *, checkpointing: bool) -> int:
+    """Bytes autograd saves for one micro-batch through the whole model (what each DDP
+    rank holds per micro-batch in flight), with or without activation checkpointing."""
+    cfg = config_from_dict(
+        spec(
+            "unused",
+            schedule="1f1b",
+            p=2,
+            m=2,
+            steps=2,
+            n_layer=args.n_layer,
+            n_embd=args.n_embd,
+            checkpointing=checkpointing,
+        )
+    )
+    model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=0)
+    meter = SavedActivationMeter(
+        exclude={p.untyped_storage().data_ptr() for p in model.parameters()}
+    )
+    idx = torch.randint(0, cfg.data.vocab_size, (MICRO_BATCH, cfg.model.block_size))
+    with meter.recording():
+        loss = next_token_loss(model(idx), idx)
+    held = meter.live_bytes
+    loss.backward()
+    return held
+
+
 def percent(value: float | None) -> str:
     return "—" if value is None else f"{100 * value:.1f}%"
 
@@ -178,6 +210,12 @@ def main() -> None:
             memory.append({**row, "label": label})
         print()
         print(memory_table(memory))
+        for checkpointing in (False, True):
+            held = whole_model_activation_bytes(args, checkpointing=checkpointing)
+            print(
+                f"DDP, whole model, one micro-batch, checkpointing={checkpointing}: "
+                f"{held / 1024:,.0f} KiB"
+            )
     if args.json:
         args.json.write_text(json.dumps({"bubble": rows, "memory": memory}, indent=2))
 

@@ -9,10 +9,24 @@ from trainstack.config import config_from_dict
 from trainstack.runtime.local import run_processes
 
 
-def tiny_spec(*, workers: int, micro_batch: int, steps: int = 10, storage: Path) -> dict:
+def tiny_spec(
+    *,
+    workers: int,
+    micro_batch: int,
+    steps: int = 10,
+    storage: Path,
+    activation_checkpointing: bool = False,
+) -> dict:
     return {
         "name": "ddp-equivalence",
-        "model": {"kind": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16},
+        "model": {
+            "kind": "gpt",
+            "n_layer": 2,
+            "n_head": 2,
+            "n_embd": 32,
+            "block_size": 16,
+            "activation_checkpointing": activation_checkpointing,
+        },
         "data": {"vocab_size": 16, "order": 1, "eval_samples": 32},
         "train": {"steps": steps, "global_batch_size": 16, "micro_batch_size": micro_batch},
         "optim": {"lr": 1e-2, "warmup_steps": 2, "grad_clip": 1.0, "weight_decay": 0.1},
@@ -22,9 +36,17 @@ def tiny_spec(*, workers: int, micro_batch: int, steps: int = 10, storage: Path)
     }
 
 
-def train_weights(tmp_path: Path, *, workers: int, micro_batch: int) -> dict[str, torch.Tensor]:
-    out = tmp_path / f"w{workers}b{micro_batch}"
-    cfg = config_from_dict(tiny_spec(workers=workers, micro_batch=micro_batch, storage=out))
+def train_weights(
+    tmp_path: Path, *, workers: int, micro_batch: int, activation_checkpointing: bool = False
+) -> dict[str, torch.Tensor]:
+    out = tmp_path / f"w{workers}b{micro_batch}c{activation_checkpointing}"
+    raw = tiny_spec(
+        workers=workers,
+        micro_batch=micro_batch,
+        storage=out,
+        activation_checkpointing=activation_checkpointing,
+    )
+    cfg = config_from_dict(raw)
     run_processes(cfg, world_size=workers, out_dir=out)
     return torch.load(out / "model.pt", weights_only=True)
 
@@ -41,6 +63,13 @@ def test_two_workers_match_one_worker_with_twice_the_micro_batch(
         assert torch.allclose(ddp[name], ref, atol=1e-5, rtol=0), name
     moved = max((reference[n] - initial[n]).abs().max().item() for n in reference)
     assert moved > 1e-2, "training did not change the weights: the comparison proves nothing"
+
+
+def test_activation_checkpointing_under_ddp_trains_the_same_weights(tmp_path: Path) -> None:
+    plain = train_weights(tmp_path, workers=2, micro_batch=4)
+    recomputed = train_weights(tmp_path, workers=2, micro_batch=4, activation_checkpointing=True)
+    for name, weight in plain.items():
+        assert torch.allclose(recomputed[name], weight, atol=1e-6, rtol=0), name
 
 
 def _initial_weights(tmp_path: Path) -> dict[str, torch.Tensor]:
