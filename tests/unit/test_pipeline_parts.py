@@ -206,3 +206,17 @@ def test_pipeline_needs_a_gpt() -> None:
     raw = pipeline_spec()
     raw["model"]["kind"] = "mlp"
     assert error_of(raw) == "strategy.kind=pipeline splits a gpt model; got model.kind=mlp"
+
+
+def test_shipped_pipeline_job_is_the_demo_on_a_two_stage_pipeline() -> None:
+    from pathlib import Path
+
+    from trainstack.config import load_config
+
+    jobs = Path(__file__).resolve().parents[2] / "jobs/configs"
+    cfg = load_config(str(jobs / "pipeline.yaml"))
+    demo = load_config(str(jobs / "demo.yaml"))
+    assert (cfg.strategy.schedule, cfg.scaling.num_workers, cfg.grad_accum_steps) == ("1f1b", 2, 4)
+    assert (cfg.model, cfg.data, cfg.train.steps) == (demo.model, demo.data, demo.train.steps)
+    zbv = load_config(str(jobs / "pipeline.yaml"), ["model.n_layer=4", "strategy.schedule=zbv"])
+    assert zbv.pipeline_virtual_stages == 2
