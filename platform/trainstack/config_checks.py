@@ -291,6 +291,11 @@ def _validate_pipeline(cfg: JobConfig) -> None:
             f"scaling.num_workers={cfg.scaling.num_workers} must equal strategy.stages × "
             f"strategy.data_parallel = {p} × {d} = {p * d}"
         )
+    if cfg.train.precision != "fp32":
+        raise ConfigError(
+            f"train.precision={cfg.train.precision} is not supported with strategy.kind=pipeline "
+            "yet; allowed: fp32"
+        )
     if s.engine == "deepspeed":
         _validate_deepspeed_pipeline(cfg)
         return
@@ -323,11 +328,6 @@ def _validate_pipeline(cfg: JobConfig) -> None:
         raise ConfigError(
             f"strategy.microbatches={s.microbatches} is out of range for "
             f"strategy.schedule=dualpipev; allowed: >= 2 × strategy.stages = {2 * p}"
-        )
-    if cfg.train.precision != "fp32":
-        raise ConfigError(
-            f"train.precision={cfg.train.precision} is not supported with strategy.kind=pipeline "
-            "yet; allowed: fp32"
         )
     _validate_pipeline_batch(cfg)
 

@@ -202,6 +202,13 @@ def test_deepspeed_pipeline_refuses_zero_2_and_3() -> None:
     assert "supports ZeRO stage 0 or 1 only" in error_of(raw)
 
 
+@pytest.mark.parametrize("engine", ["torch", "deepspeed"])
+def test_pipeline_refuses_bf16_for_now(engine: str) -> None:
+    raw = pipeline_spec(engine=engine)
+    raw["train"]["precision"] = "bf16"
+    assert error_of(raw).startswith("train.precision=bf16 is not supported with strategy.kind")
+
+
 def test_pipeline_needs_a_gpt() -> None:
     raw = pipeline_spec()
     raw["model"]["kind"] = "mlp"

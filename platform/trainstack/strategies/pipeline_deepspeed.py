@@ -31,11 +31,12 @@ counted once. ZeRO-1 computes its norm by its own rule (all parameters, skipping
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
@@ -68,14 +70,16 @@ from trainstack.strategies.base import (
 from trainstack.strategies.pipeline_probe import SavedActivationMeter
 from trainstack.strategies.pipeline_split import StageSplit, split_stages
 from trainstack.strategies.zero import (
-    _UNSAVED_OPTIMIZER_KEYS,
-    _deep_merge,
-    _master_partitions,
-    _plain,
+    UNSAVED_OPTIMIZER_KEYS,
+    deep_merge,
+    master_partitions,
+    weights_only_value,
 )
 
 _TIE_KEY = "embed"
 """The TiedLayerSpec key of the token embedding / LM head weight."""
+_END_OF_BATCH = (ds_schedule.ReduceTiedGrads, ds_schedule.ReduceGrads, ds_schedule.OptimizerStep)
+"""The instructions that end a batch: gradient reductions and the optimizer step."""
 
 
 def pipeline_deepspeed_config(cfg: JobConfig) -> dict[str, Any]:
@@ -89,7 +93,7 @@ def pipeline_deepspeed_config(cfg: JobConfig) -> dict[str, Any]:
         "zero_optimization": {"stage": 0},
         "log_level": "warning",  # trainstack reports progress itself
     }
-    return _deep_merge(derived, cfg.deepspeed)
+    return deep_merge(derived, cfg.deepspeed)
 
 
 # ---- the GPT as pipeline layers -------------------------------------------------------
@@ -174,7 +178,7 @@ class PipelineLayers:
         return self.prefixes[int(index)] + rest
 
 
-class SplitPipelineModule(PipelineModule):  # type: ignore[misc]
+class SplitPipelineModule(PipelineModule):
     """A `PipelineModule` cut at given layer indices rather than by DeepSpeed's own
     partitioning methods, so that both engines cut the GPT alike."""
 
@@ -186,6 +190,58 @@ class SplitPipelineModule(PipelineModule):  # type: ignore[misc]
         self.parts = list(self._given_parts)
         stage = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+
+class InstructionProbe:
+    """Times a PipelineEngine's instructions and meters what they hold.
+
+    `seconds["compute"]`: its forward and backward passes; `seconds["end_of_batch"]`: the
+    gradient reductions (tied weight, replicas) and the optimizer step. Forward's
+    saved activations go to `meter`, and the gradient bytes held after each backward to
+    `peak_grad_bytes`. The engine runs each instruction by looking it up in
+    `_INSTRUCTION_MAP`, which a wrapped copy set on the engine instance shadows.
+    """
+
+    def __init__(self, engine: Any, *, held_grad_bytes: Callable[[], int]) -> None:
+        params = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
+        self.meter = SavedActivationMeter(exclude=params)
+        self.held_grad_bytes = held_grad_bytes
+        self.seconds = {"compute": 0.0, "end_of_batch": 0.0}
+        self.peak_grad_bytes = 0
+        instructions = dict(engine._INSTRUCTION_MAP)
+        forward = instructions[ds_schedule.ForwardPass]
+        backward = instructions[ds_schedule.BackwardPass]
+
+        def probed_forward(engine_self: Any, **kwargs: Any) -> None:
+            with self._timed("compute"), self.meter.recording():
+                forward(engine_self, **kwargs)
+
+        def probed_backward(engine_self: Any, **kwargs: Any) -> None:
+            with self._timed("compute"):
+                backward(engine_self, **kwargs)
+            self.peak_grad_bytes = max(self.peak_grad_bytes, self.held_grad_bytes())
+
+        instructions[ds_schedule.ForwardPass] = probed_forward
+        instructions[ds_schedule.BackwardPass] = probed_backward
+        for kind in _END_OF_BATCH:
+            instructions[kind] = self._end_of_batch(instructions[kind])
+        engine._INSTRUCTION_MAP = instructions
+
+    def _end_of_batch(self, run: Callable[..., None]) -> Callable[..., None]:
+        def probed(engine_self: Any, **kwargs: Any) -> None:
+            with self._timed("end_of_batch"):
+                run(engine_self, **kwargs)
+
+        return probed
+
+    @contextlib.contextmanager
+    def _timed(self, kind: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.seconds[kind] += time.perf_counter() - start
+
+    def restart_clocks(self) -> None:
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
 
 
 # ---- the strategy ---------------------------------------------------------------------
@@ -200,26 +256,20 @@ class DeepSpeedPipelineStrategy:
         s = cfg.strategy
         self.pp_size, self.dp_size = s.stages, s.data_parallel
         self.pp_rank, self.dp_rank = divmod(ctx.rank, self.dp_size)
-        self.zero_stage = int(cfg.deepspeed.get("zero_optimization", {}).get("stage", 0))
+        self.holds_first, self.holds_last = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
+        self.zero_stage = _zero_stage(cfg)
+        self.sharded_optimizer = self.zero_stage == 1 or cfg.train.precision == "bf16"
+        """DeepSpeed wraps the optimizer (ZeRO-1, or its bf16 optimizer), which keeps fp32
+        master weights and optimizer state partitioned over the replicas."""
         self.engine: Any = None
         """deepspeed.runtime.pipe.engine.PipelineEngine, built by `setup`."""
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.layers: PipelineLayers | None = None
         self.split: StageSplit | None = None
-        self.meter = SavedActivationMeter()
-        self._busy_s = 0.0
-        self._step_s = 0.0
-        self._steps_run = 0
-        self._peak_grad_bytes = 0
-        self._grad_norm: float = math.nan
-
-    @property
-    def holds_first(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def holds_last(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
+        self.probe: InstructionProbe | None = None
+        self._batch_s = 0.0
+        """Seconds in `train_batch` after the first step (which also sends shapes)."""
+        self._warmed_up = False
 
     def _global_rank(self, *, pp_rank: int) -> int:
         return pp_rank * self.dp_size + self.dp_rank
@@ -233,7 +283,8 @@ class DeepSpeedPipelineStrategy:
         self.layers = PipelineLayers.of(model, self.split)
         # No grad: the module broadcasts the tied weight in place while it is built, which
         # outside no_grad leaves a "backprop through c10d::broadcast_" warning on its grad.
-        with torch.no_grad():
+        # Its prints (seed settings, topology) repeat what layout_notes says.
+        with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
             module = SplitPipelineModule(
                 self.layers.specs,
                 parts=self.layers.parts,
@@ -258,7 +309,7 @@ class DeepSpeedPipelineStrategy:
             dist_init_required=False,
         )
         self._keep_clip_norm()
-        self._probe_compute()
+        self.probe = InstructionProbe(self.engine, held_grad_bytes=self._held_grad_bytes)
 
     def _init_deepspeed_comm(self) -> None:
         """deepspeed.comm over the process group trainstack made (PipelineModule needs it
@@ -268,8 +319,6 @@ class DeepSpeedPipelineStrategy:
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         index = self.ctx.device.index
         os.environ["LOCAL_RANK"] = str(self.ctx.local_rank if index is None else index)
-        from deepspeed.accelerator import get_accelerator
-
         backend = get_accelerator().communication_backend_name()
         deepspeed.comm.init_distributed(dist_backend=backend, dist_init_required=False)
 
@@ -278,8 +327,7 @@ class DeepSpeedPipelineStrategy:
         return self.layers.gpt_name(name, first_stage=self.holds_first)
 
     def _keep_clip_norm(self) -> None:
-        """Stage 0 clips in `engine.clip_fp32_gradients`, which drops the norm it computes;
-        keep it (ZeRO-1's optimizer keeps its own)."""
+        """Keep the norm `engine.clip_fp32_gradients` (no ZeRO, fp32) computes and drops."""
         engine = self.engine
 
         def clip_and_keep() -> None:
@@ -292,40 +340,8 @@ class DeepSpeedPipelineStrategy:
 
         engine.clip_fp32_gradients = clip_and_keep
 
-    def _probe_compute(self) -> None:
-        """Time the engine's forward and backward instructions, meter forward's saved
-        activations and the gradients backward leaves. The engine looks each instruction
-        up in `_INSTRUCTION_MAP`; a copy on the instance wraps two of them."""
-        engine = self.engine
-        params = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
-        self.meter = SavedActivationMeter(exclude=params)
-        instructions = dict(engine._INSTRUCTION_MAP)
-        forward = instructions[ds_schedule.ForwardPass]
-        backward = instructions[ds_schedule.BackwardPass]
-
-        def timed_forward(engine_self: Any, **kwargs: Any) -> None:
-            with self._busy(), self.meter.recording():
-                forward(engine_self, **kwargs)
-
-        def timed_backward(engine_self: Any, **kwargs: Any) -> None:
-            with self._busy():
-                backward(engine_self, **kwargs)
-            self._peak_grad_bytes = max(self._peak_grad_bytes, self._held_grad_bytes())
-
-        instructions[ds_schedule.ForwardPass] = timed_forward
-        instructions[ds_schedule.BackwardPass] = timed_backward
-        engine._INSTRUCTION_MAP = instructions
-
-    @contextmanager
-    def _busy(self) -> Iterator[None]:
-        start = time.perf_counter()
-        yield
-        if self._steps_run > 0:  # the first step also sends shapes and warms up
-            self._busy_s += time.perf_counter() - start
-
     def unwrapped_model(self) -> nn.Module:
-        """This rank's stage: a `PipelineModule` (its own names; `checkpoint_files` has the
-        GPT's)."""
+        """This rank's stage, a `PipelineModule` (`checkpoint_files` uses the GPT's names)."""
         assert self.engine is not None, "setup() first"
         module: nn.Module = self.engine.module
         return module
@@ -336,15 +352,20 @@ class DeepSpeedPipelineStrategy:
     # ---- training -----------------------------------------------------------------------
 
     def train_step(self, micro_batches: list[Batch]) -> StepOutput:
-        engine = self.engine
-        assert engine is not None and self.scheduler is not None, "setup() first"
+        """One `train_batch`: the first stage reads the inputs, the last the targets.
+        The grad norm is NaN with clipping off under ZeRO stage 0 (none is computed)."""
+        engine, probe = self.engine, self.probe
+        assert engine is not None and probe is not None, "setup() first"
+        assert self.scheduler is not None
         assert len(micro_batches) == engine.micro_batches, (len(micro_batches), "per step")
         lr = float(self.scheduler.get_last_lr()[0])
         start = time.perf_counter()
         engine.train_batch(data_iter=iter(micro_batches))
-        if self._steps_run > 0:
-            self._step_s += time.perf_counter() - start
-        self._steps_run += 1
+        if self._warmed_up:
+            self._batch_s += time.perf_counter() - start
+        else:
+            probe.restart_clocks()
+            self._warmed_up = True
         grad_norm = engine.get_global_grad_norm()
         return StepOutput(
             loss=engine.dp_group_loss.detach().clone(),  # the last stage's, on every rank
@@ -354,8 +375,9 @@ class DeepSpeedPipelineStrategy:
 
     def _held_grad_bytes(self) -> int:
         grads = [p.grad for p in self._params() if p.grad is not None]
-        if self.zero_stage:
-            grads += [m.grad for m in _master_partitions(self.engine.optimizer) if m.grad is not None]
+        if self.sharded_optimizer:
+            masters = _fp32_partitions(self.engine.optimizer)
+            grads += [m.grad for m in masters if m.grad is not None]
         return storage_bytes(grads)
 
     # ---- evaluation and reductions ------------------------------------------------------
@@ -422,15 +444,20 @@ class DeepSpeedPipelineStrategy:
         ]
 
     def run_metrics(self) -> dict[str, Any]:
-        """Split, per-stage parameters, bubble and activation memory (a collective)."""
-        assert self.split is not None, "setup() first"
+        """Split, per-stage parameters, bubble and activation memory (a collective).
+
+        A rank's bubble is the share of its pipeline time (`train_batch` less the batch's
+        gradient reductions and optimizer step, as the torch engine times its schedule
+        alone) spent outside forward and backward passes: waiting and communicating.
+        """
+        assert self.split is not None and self.probe is not None, "setup() first"
         mine = {
             "pp_rank": self.pp_rank,
             "dp_rank": self.dp_rank,
             "params": sum(p.numel() for p in self._params()),
-            "busy_s": self._busy_s,
-            "step_s": self._step_s,
-            "activation_peak_bytes": self.meter.peak_bytes,
+            "busy_s": self.probe.seconds["compute"],
+            "step_s": self._batch_s - self.probe.seconds["end_of_batch"],
+            "activation_peak_bytes": self.probe.meter.peak_bytes,
         }
         everyone: list[Any] = [None] * self.ctx.world_size
         dist.all_gather_object(everyone, mine)
@@ -453,17 +480,17 @@ class DeepSpeedPipelineStrategy:
 
     def checkpoint_files(self) -> dict[str, Any]:
         """Replica 0's ranks write their stage's fp32 weights under the GPT's names and
-        (ZeRO stage 0) their optimizer state; under ZeRO-1 every rank writes its optimizer
-        shard; rank 0 the LR schedule. A collective under ZeRO-1 (gathering weights)."""
+        their optimizer state, or every rank its optimizer shard if the state is sharded;
+        rank 0 the LR schedule. A collective if sharded (gathering the weights)."""
         assert self.scheduler is not None, "setup() first"
         weights = self._fp32_weights()
         files: dict[str, Any] = {}
-        if self.zero_stage:
+        if self.sharded_optimizer:
             shard = self.engine.optimizer.state_dict()
             files[rank_file("optimizer", self.ctx.rank)] = {
-                key: _plain(value)
+                key: weights_only_value(value)
                 for key, value in shard.items()
-                if key not in _UNSAVED_OPTIMIZER_KEYS
+                if key not in UNSAVED_OPTIMIZER_KEYS
             }
         elif self.dp_rank == 0:
             files[rank_file("optimizer", self.pp_rank)] = self.engine.optimizer.state_dict()
@@ -475,7 +502,7 @@ class DeepSpeedPipelineStrategy:
 
     def _fp32_weights(self) -> dict[str, torch.Tensor]:
         """This stage's state dict under the GPT's names, parameters from the fp32 master
-        copy where DeepSpeed keeps one (ZeRO-1, bf16). A collective there."""
+        copy where DeepSpeed keeps one (a sharded optimizer). A collective there."""
         module = self.unwrapped_model()
         master = {id(p): safe_get_full_fp32_param(p) for p in self._params()}
         return {
@@ -510,12 +537,16 @@ class DeepSpeedPipelineStrategy:
             return f"the checkpoint is from the {saved.strategy.engine} engine"
         if saved.strategy.stages != self.pp_size:
             return f"the checkpoint has {saved.strategy.stages} stages, this run {self.pp_size}"
-        zero_stage = int(saved.deepspeed.get("zero_optimization", {}).get("stage", 0))
-        if zero_stage != self.zero_stage:
-            return f"the checkpoint has ZeRO stage {zero_stage}, this run {self.zero_stage}"
-        if self.zero_stage and saved.strategy.data_parallel != self.dp_size:
+        theirs = (_zero_stage(saved), saved.train.precision)
+        mine = (self.zero_stage, self.cfg.train.precision)
+        if theirs != mine:
             return (
-                f"the checkpoint's ZeRO-1 shards are for {saved.strategy.data_parallel} "
+                f"the checkpoint has ZeRO stage {theirs[0]} in {theirs[1]}, this run ZeRO "
+                f"stage {mine[0]} in {mine[1]}"
+            )
+        if self.sharded_optimizer and saved.strategy.data_parallel != self.dp_size:
+            return (
+                f"the checkpoint's optimizer shards are for {saved.strategy.data_parallel} "
                 f"replicas, this run has {self.dp_size}"
             )
         return None
@@ -531,24 +562,25 @@ class DeepSpeedPipelineStrategy:
 
     def _load_optimizer(self, checkpoint: Checkpoint) -> None:
         optimizer = self.engine.optimizer
-        if not self.zero_stage:
+        if not self.sharded_optimizer:
             optimizer.load_state_dict(checkpoint.load(rank_file("optimizer", self.pp_rank)))
             return
         shard = checkpoint.load(rank_file("optimizer", self.ctx.rank))
-        shard["loss_scaler"] = optimizer.loss_scaler
+        if hasattr(optimizer, "loss_scaler"):  # ZeRO's; the bf16 optimizer has none
+            shard["loss_scaler"] = optimizer.loss_scaler
         shards: list[dict[str, Any] | None] = [None] * self.dp_size
         shards[self.dp_rank] = shard  # ZeRO reads its own data-parallel rank's entry
         optimizer.load_state_dict(shards, load_optimizer_states=True, load_from_fp32_weights=True)
 
     def model_state_bytes(self) -> dict[str, int]:
         optimizer = self.engine.optimizer
-        if self.zero_stage:
-            state = [*_master_partitions(optimizer), *tensors_in(optimizer.optimizer.state)]
+        if self.sharded_optimizer:
+            state = [*_fp32_partitions(optimizer), *tensors_in(optimizer.optimizer.state)]
         else:
             state = tensors_in(optimizer.state)
         return {
             "params": storage_bytes(p.data for p in self._params()),
-            "grads": self._peak_grad_bytes,
+            "grads": self.probe.peak_grad_bytes if self.probe else 0,
             "optimizer": storage_bytes(state),
         }
 
@@ -560,9 +592,17 @@ def _flag_for_clipping(module: PipelineModule) -> None:
         p.model_parallel = not getattr(p, "ds_pipe_replicated", False)
 
 
+def _zero_stage(cfg: JobConfig) -> int:
+    """The ZeRO stage the spec's raw `deepspeed:` section asks for (0 or 1, validated)."""
+    return int(cfg.deepspeed.get("zero_optimization", {}).get("stage", 0))
+
+
+def _fp32_partitions(optimizer: Any) -> list[torch.Tensor]:
+    """This rank's fp32 master partitions: the bf16 optimizer's, else ZeRO's."""
+    found = getattr(optimizer, "fp32_groups_flat_partition", None)
+    return list(found) if found is not None else master_partitions(optimizer)
+
+
 def _fp32_copy(master: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
     source = master.reshape(value.shape) if master is not None else value
     return source.detach().float().cpu().clone()
-
-
-__all__ = ["DeepSpeedPipelineStrategy", "PipelineLayers", "pipeline_deepspeed_config"]

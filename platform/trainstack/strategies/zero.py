@@ -38,7 +38,7 @@ from trainstack.strategies.base import (
 # DeepSpeed optimizer-state keys holding objects `torch.load(weights_only=True)` refuses:
 # the loss scaler (a static scale of 1 under fp32 and bf16, so the live one is put back
 # on load) and the parameter-slice map that only universal checkpoints read.
-_UNSAVED_OPTIMIZER_KEYS = ("loss_scaler", "param_slice_mappings")
+UNSAVED_OPTIMIZER_KEYS = ("loss_scaler", "param_slice_mappings")
 
 
 def deepspeed_config(cfg: JobConfig) -> dict[str, Any]:
@@ -61,7 +61,7 @@ def deepspeed_config(cfg: JobConfig) -> dict[str, Any]:
         "zero_optimization": zero,
         "log_level": "warning",  # trainstack reports progress itself
     }
-    return _deep_merge(derived, cfg.deepspeed)
+    return deep_merge(derived, cfg.deepspeed)
 
 
 def zero_model_state_formula(psi: int, n: int, stage: int, precision: str) -> int:
@@ -233,7 +233,7 @@ class ZeROStrategy:
         partitions = [getattr(p, "ds_tensor") for p in params if _is_zero3(p)]  # noqa: B009
         held_params = [p.data for p in params] + partitions
         optimizer_state = [
-            *_master_partitions(zero_optimizer),
+            *master_partitions(zero_optimizer),
             *tensors_in(zero_optimizer.optimizer.state),
         ]
         return {
@@ -255,7 +255,7 @@ class ZeROStrategy:
             "grad_partitions_flat_buffer",
         ):
             grads += tensors_in(getattr(zero_optimizer, name, None))
-        grads += [m.grad for m in _master_partitions(zero_optimizer) if m.grad is not None]
+        grads += [m.grad for m in master_partitions(zero_optimizer) if m.grad is not None]
         return storage_bytes(grads)
 
     def checkpoint_files(self) -> dict[str, Any]:
@@ -265,9 +265,9 @@ class ZeROStrategy:
         assert self.scheduler is not None
         weights = self._full_fp32_weights()
         shard = {
-            key: _plain(value)
+            key: weights_only_value(value)
             for key, value in engine.optimizer.state_dict().items()
-            if key not in _UNSAVED_OPTIMIZER_KEYS
+            if key not in UNSAVED_OPTIMIZER_KEYS
         }
         files: dict[str, Any] = {rank_file("optimizer", self.ctx.rank): shard}
         if self.ctx.rank == 0:
@@ -374,7 +374,7 @@ def _is_zero3(p: nn.Parameter) -> bool:
     return hasattr(p, "ds_tensor")
 
 
-def _master_partitions(zero_optimizer: Any) -> list[torch.Tensor]:
+def master_partitions(zero_optimizer: Any) -> list[torch.Tensor]:
     """The fp32 partitions the optimizer updates (stage 1/2 and stage 3 name them apart)."""
     found = getattr(zero_optimizer, "single_partition_of_fp32_groups", None)
     if found is None:
@@ -382,27 +382,27 @@ def _master_partitions(zero_optimizer: Any) -> list[torch.Tensor]:
     return list(found)
 
 
-def _deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
     merged = dict(base)
     for key, value in override.items():
         if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
-            merged[key] = _deep_merge(merged[key], value)
+            merged[key] = deep_merge(merged[key], value)
         else:
             merged[key] = value
     return merged
 
 
-def _plain(value: Any) -> Any:
+def weights_only_value(value: Any) -> Any:
     """`value` in types `torch.load(weights_only=True)` accepts: enums become their
     values, other mappings dicts, named tuples lists; anything else is refused."""
     if isinstance(value, enum.Enum):
-        return _plain(value.value)
+        return weights_only_value(value.value)
     if isinstance(value, torch.Tensor | str | int | float | bool | None):
         return value
     if isinstance(value, Mapping):
-        return {key: _plain(item) for key, item in value.items()}
+        return {key: weights_only_value(item) for key, item in value.items()}
     if type(value) is tuple:
-        return tuple(_plain(item) for item in value)
+        return tuple(weights_only_value(item) for item in value)
     if isinstance(value, list | tuple):
-        return [_plain(item) for item in value]
+        return [weights_only_value(item) for item in value]
     raise TypeError(f"cannot checkpoint a {type(value).__name__} with weights_only=True")
