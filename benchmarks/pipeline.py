@@ -49,6 +49,7 @@ def spec(
     n_layer: int,
     n_embd: int,
     checkpointing: bool = False,
+    engine: str = "torch",
 ) -> dict[str, Any]:
     return {
         "name": "pipeline-bench",
@@ -66,7 +67,13 @@ def spec(
             "micro_batch_size": MICRO_BATCH,
         },
         "optim": {"warmup_steps": 1},
-        "strategy": {"kind": "pipeline", "schedule": schedule, "stages": p, "microbatches": m},
+        "strategy": {
+            "kind": "pipeline",
+            "engine": engine,
+            "schedule": schedule,
+            "stages": p,
+            "microbatches": m,
+        },
         "scaling": {"num_workers": p, "cpus_per_worker": max(1, (os.cpu_count() or 1) // p)},
         "checkpoint": {"storage_path": storage},
         "log": {"every_steps": steps, "progress": "quiet"},
@@ -95,6 +102,7 @@ def measure(
                     steps=args.steps,
                     n_layer=args.n_layer,
                     n_embd=args.n_embd,
+                    engine=args.engine,
                     **kw,
                 )
             )
@@ -104,7 +112,7 @@ def measure(
         summary = run_processes(cfg, world_size=p, out_dir=Path(storage) / "out")
     pp = summary["pipeline"]
     row = {
-        "schedule": schedule,
+        "schedule": schedule if args.engine == "torch" else f"deepspeed {schedule}",
         "p": p,
         "m": m,
         "v": cfg.pipeline_virtual_stages,
@@ -184,6 +192,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--n-layer", type=int, default=8)
     parser.add_argument("--n-embd", type=int, default=128)
+    parser.add_argument("--engine", default="torch", choices=["torch", "deepspeed"])
     parser.add_argument("--memory", action="store_true", help="also GPipe vs 1F1B vs checkpointed")
     parser.add_argument("--json", type=Path, help="write every row here")
     args = parser.parse_args()

@@ -341,6 +341,7 @@ class PipelineStrategy:
             peaks.update(r["activation_peak_bytes"])
         return {
             "pipeline": {
+                "engine": "torch",
                 "schedule": self.cfg.strategy.schedule,
                 "stages": self.num_stages,
                 "split": self.split_description,

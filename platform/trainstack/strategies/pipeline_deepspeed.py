@@ -67,7 +67,11 @@ from trainstack.strategies.base import (
     storage_bytes,
     tensors_in,
 )
-from trainstack.strategies.pipeline_probe import SavedActivationMeter
+from trainstack.strategies.pipeline_probe import (
+    SavedActivationMeter,
+    simulated_bubble,
+    single_stage_orders,
+)
 from trainstack.strategies.pipeline_split import StageSplit, split_stages
 from trainstack.strategies.zero import (
     UNSAVED_OPTIMIZER_KEYS,
@@ -472,6 +476,13 @@ class DeepSpeedPipelineStrategy:
                 "params_per_stage": [r["params"] for r in replica0],
                 "bubble_fraction": sum(bubbles) / len(bubbles),
                 "bubble_fraction_per_rank": bubbles,
+                # DeepSpeed's TrainSchedule keeps 1F1B's order: its bubble with equal stages.
+                "ideal_bubble_fraction": simulated_bubble(
+                    single_stage_orders(
+                        "1f1b", pp_size=self.pp_size, microbatches=self.cfg.strategy.microbatches
+                    ),
+                    num_stages=self.pp_size,
+                ),
                 "activation_peak_bytes_per_stage": [r["activation_peak_bytes"] for r in replica0],
             }
         }
