@@ -54,7 +54,13 @@ from trainstack.strategies.pipeline_probe import (
     single_stage_orders,
     torch_schedule_orders,
 )
-from trainstack.strategies.pipeline_split import StageModule, split_stages, stage_ranks
+from trainstack.strategies.pipeline_split import (
+    PipelineGrid,
+    StageModule,
+    last_stage_mean,
+    split_stages,
+    stage_ranks,
+)
 
 SCHEDULES: dict[str, tuple[Callable[..., schedules._PipelineSchedule], str]] = {
     "gpipe": (schedules.ScheduleGPipe, "loop"),
@@ -77,8 +83,9 @@ class PipelineStrategy:
         self.cfg = cfg
         self.ctx = ctx
         s = cfg.strategy
-        self.pp_size, self.dp_size = s.stages, s.data_parallel
-        self.pp_rank, self.dp_rank = divmod(ctx.rank, self.dp_size)
+        self.grid = PipelineGrid.of(cfg, rank=ctx.rank)
+        self.pp_size, self.dp_size = self.grid.pp_size, self.grid.dp_size
+        self.pp_rank, self.dp_rank = self.grid.pp_rank, self.grid.dp_rank
         self.num_stages = s.stages * cfg.pipeline_virtual_stages
         self.style = SCHEDULES[s.schedule][1]
         self.owners = stage_ranks(
@@ -97,9 +104,6 @@ class PipelineStrategy:
         self._busy_at_first_step = 0.0
 
     # ---- layout -------------------------------------------------------------------------
-
-    def _global_rank(self, *, pp_rank: int) -> int:
-        return pp_rank * self.dp_size + self.dp_rank
 
     def _build_groups(self) -> None:
         """Every rank creates every group, in the same order (torch.distributed's rule)."""
@@ -282,19 +286,14 @@ class PipelineStrategy:
                 continue
             if s > 0 and self.owners[s - 1] != owner:
                 act = torch.empty(shape, device=self.ctx.device)
-                dist.recv(act, src=self._global_rank(pp_rank=self.owners[s - 1]))
+                dist.recv(act, src=self.grid.global_rank(pp_rank=self.owners[s - 1]))
             act = self.modules[s](act)
             if s < self.num_stages - 1 and self.owners[s + 1] != owner:
-                dist.send(act.contiguous(), dst=self._global_rank(pp_rank=self.owners[s + 1]))
+                dist.send(act.contiguous(), dst=self.grid.global_rank(pp_rank=self.owners[s + 1]))
         return act
 
     def global_mean(self, value: torch.Tensor) -> float:
-        """Mean over the replicas of a value only the last stage knows (the loss)."""
-        value = value.detach().to(self.ctx.device, torch.float64).clone()
-        if not self.holds_last:
-            value.zero_()
-        dist.all_reduce(value)
-        return float(value) / self.dp_size
+        return last_stage_mean(value, holds_last=self.holds_last, replicas=self.dp_size)
 
     def comm_bytes_per_step(self) -> int:
         """Modelled: activations out and their gradients back across every stage boundary

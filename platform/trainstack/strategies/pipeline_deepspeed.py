@@ -72,7 +72,12 @@ from trainstack.strategies.pipeline_probe import (
     simulated_bubble,
     single_stage_orders,
 )
-from trainstack.strategies.pipeline_split import StageSplit, split_stages
+from trainstack.strategies.pipeline_split import (
+    PipelineGrid,
+    StageSplit,
+    last_stage_mean,
+    split_stages,
+)
 from trainstack.strategies.zero import (
     UNSAVED_OPTIMIZER_KEYS,
     deep_merge,
@@ -257,9 +262,9 @@ class DeepSpeedPipelineStrategy:
     def __init__(self, cfg: JobConfig, ctx: WorkerContext) -> None:
         self.cfg = cfg
         self.ctx = ctx
-        s = cfg.strategy
-        self.pp_size, self.dp_size = s.stages, s.data_parallel
-        self.pp_rank, self.dp_rank = divmod(ctx.rank, self.dp_size)
+        self.grid = PipelineGrid.of(cfg, rank=ctx.rank)
+        self.pp_size, self.dp_size = self.grid.pp_size, self.grid.dp_size
+        self.pp_rank, self.dp_rank = self.grid.pp_rank, self.grid.dp_rank
         self.holds_first, self.holds_last = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
         self.zero_stage = _zero_stage(cfg)
         self.sharded_optimizer = self.zero_stage == 1 or cfg.train.precision == "bf16"
@@ -274,9 +279,6 @@ class DeepSpeedPipelineStrategy:
         self._batch_s = 0.0
         """Seconds in `train_batch` after the first step (which also sends shapes)."""
         self._warmed_up = False
-
-    def _global_rank(self, *, pp_rank: int) -> int:
-        return pp_rank * self.dp_size + self.dp_rank
 
     # ---- setup --------------------------------------------------------------------------
 
@@ -401,25 +403,20 @@ class DeepSpeedPipelineStrategy:
             if not self.holds_first:
                 shape = (*x.shape, self.cfg.model.n_embd)
                 act = torch.empty(shape, dtype=dtype, device=self.ctx.device)
-                dist.recv(act, src=self._global_rank(pp_rank=self.pp_rank - 1))
+                dist.recv(act, src=self.grid.global_rank(pp_rank=self.pp_rank - 1))
             act = module(act)
             if self.holds_last:
                 loss = next_token_loss(act, y)
                 sums[0] += loss.double() * y.numel()
                 sums[1] += y.numel()
             else:
-                dist.send(act.contiguous(), dst=self._global_rank(pp_rank=self.pp_rank + 1))
+                dist.send(act.contiguous(), dst=self.grid.global_rank(pp_rank=self.pp_rank + 1))
         module.train()
         dist.all_reduce(sums)
         return float(sums[0]), int(sums[1])
 
     def global_mean(self, value: torch.Tensor) -> float:
-        """Mean over the replicas of a value only the last stage knows (the loss)."""
-        value = value.detach().to(self.ctx.device, torch.float64).clone()
-        if not self.holds_last:
-            value.zero_()
-        dist.all_reduce(value)
-        return float(value) / self.dp_size
+        return last_stage_mean(value, holds_last=self.holds_last, replicas=self.dp_size)
 
     def comm_bytes_per_step(self) -> int:
         """Modelled: activations out and their gradients back across this rank's stage

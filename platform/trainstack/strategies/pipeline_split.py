@@ -18,10 +18,46 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from trainstack.config import JobConfig
 from trainstack.models.gpt import GPT
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineGrid:
+    """Where a rank sits among p pipeline ranks × d replicas (both engines):
+    global rank = pp_rank × d + dp_rank."""
+
+    pp_size: int
+    dp_size: int
+    pp_rank: int
+    dp_rank: int
+
+    @classmethod
+    def of(cls, cfg: JobConfig, *, rank: int) -> PipelineGrid:
+        pp_rank, dp_rank = divmod(rank, cfg.strategy.data_parallel)
+        return cls(
+            pp_size=cfg.strategy.stages,
+            dp_size=cfg.strategy.data_parallel,
+            pp_rank=pp_rank,
+            dp_rank=dp_rank,
+        )
+
+    def global_rank(self, *, pp_rank: int) -> int:
+        """The global rank of pipeline rank `pp_rank` in this rank's replica."""
+        return pp_rank * self.dp_size + self.dp_rank
+
+
+def last_stage_mean(value: torch.Tensor, *, holds_last: bool, replicas: int) -> float:
+    """Mean over the replicas of a value only the last stage knows (the loss). A collective."""
+    value = value.detach().to(torch.float64).clone()
+    if not holds_last:
+        value.zero_()
+    dist.all_reduce(value)
+    return float(value) / replicas
 
 
 @dataclass(frozen=True, kw_only=True)
