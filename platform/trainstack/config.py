@@ -36,6 +36,8 @@ from trainstack.config_checks import (  # noqa: F401  (re-exported for callers)
     PIPELINE_SCHEDULES,
     PRECISIONS,
     PROGRESS_MODES,
+    PS_CONSISTENCY,
+    PS_STALENESS_LR,
     QSGD_BITS,
     STRATEGY_KINDS,
     TRACKING_BACKENDS,
@@ -154,6 +156,23 @@ class StrategyConfig:
     """pipeline: pipeline replicas d; scaling.num_workers must be stages × data_parallel."""
     engine: str = "torch"
     """pipeline: `torch` (torch.distributed.pipelining) or `deepspeed` (its PipelineEngine)."""
+    num_shards: int = 2
+    """ps: parameter-server shard actors (1 to the model's parameter tensors)."""
+    consistency: str = "async"
+    """ps: `async` (no waiting), `ssp` (bounded staleness) or `bsp` (synchronous rounds)."""
+    staleness_bound: int = 0
+    """ps: with ssp, clocks a worker may run ahead of the slowest; with
+    reject_beyond_bound, the largest staleness (in shard updates) a push may have."""
+    staleness_lr: str = "none"
+    """ps: `none`, or `inverse`: a push is applied with lr / (1 + staleness_alpha × staleness)."""
+    staleness_alpha: float = 1.0
+    """ps: the `a` of the inverse staleness lr (>= 0)."""
+    reject_beyond_bound: bool = False
+    """ps: drop (and count) pushes whose staleness exceeds staleness_bound."""
+    pull_every: int = 1
+    """ps: steps between a worker's parameter pulls (>= 1)."""
+    checkpoint_every_updates: int = 50
+    """ps: each shard saves its parameters, optimizer state and clock every this many updates."""
 
 
 @dataclass(kw_only=True)
@@ -212,6 +231,14 @@ class FaultsConfig:
     """Rank that dies; -1 draws one per kill from `seed`."""
     seed: int = 0
     """Seed of the random kill steps and ranks."""
+    kill_shard_at_updates: tuple[int, ...] = ()
+    """ps: updates (1-based) of shard `shard` just before which that shard actor dies."""
+    shard: int = 0
+    """ps: the shard that `kill_shard_at_updates` kills."""
+    slow_rank: int = -1
+    """ps: a worker made `slow_factor` times slower by sleeping after each step (-1: none)."""
+    slow_factor: float = 1.0
+    """ps: how many times slower `slow_rank` runs (>= 1)."""
 
 
 @dataclass(kw_only=True)

@@ -32,7 +32,9 @@ PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
 OPTIM_KINDS: tuple[str, ...] = ("adamw", "sgd")
 LR_SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
 LR_SCALINGS: tuple[str, ...] = ("none", "linear", "sqrt")
-STRATEGY_KINDS: tuple[str, ...] = ("ddp", "zero", "pipeline")
+STRATEGY_KINDS: tuple[str, ...] = ("ddp", "zero", "pipeline", "ps")
+PS_CONSISTENCY: tuple[str, ...] = ("async", "ssp", "bsp")
+PS_STALENESS_LR: tuple[str, ...] = ("none", "inverse")
 PIPELINE_SCHEDULES: tuple[str, ...] = (
     "gpipe",
     "1f1b",
@@ -167,6 +169,7 @@ def validate(cfg: JobConfig) -> None:
     _validate_optim(cfg.optim)
     _validate_strategy(cfg)
     _validate_pipeline(cfg)
+    _validate_parameter_server(cfg)
     _validate_compression(cfg)
     _validate_scaling(cfg.scaling)
     _validate_checkpoint(cfg.checkpoint)
@@ -332,6 +335,71 @@ def _validate_pipeline(cfg: JobConfig) -> None:
     _validate_pipeline_batch(cfg)
 
 
+def _validate_parameter_server(cfg: JobConfig) -> None:
+    s = cfg.strategy
+    _check_choice("strategy.consistency", s.consistency, PS_CONSISTENCY)
+    _check_choice("strategy.staleness_lr", s.staleness_lr, PS_STALENESS_LR)
+    _require("strategy.num_shards", s.num_shards >= 1, s.num_shards, ">= 1")
+    _require("strategy.staleness_bound", s.staleness_bound >= 0, s.staleness_bound, ">= 0")
+    _require("strategy.staleness_alpha", s.staleness_alpha >= 0, s.staleness_alpha, ">= 0")
+    _require("strategy.pull_every", s.pull_every >= 1, s.pull_every, ">= 1")
+    _require(
+        "strategy.checkpoint_every_updates",
+        s.checkpoint_every_updates >= 1,
+        s.checkpoint_every_updates,
+        ">= 1",
+    )
+    f = cfg.faults
+    _require("faults.slow_factor", f.slow_factor >= 1, f.slow_factor, ">= 1")
+    if s.kind != "ps":
+        return
+    if s.staleness_bound and s.consistency != "ssp" and not s.reject_beyond_bound:
+        raise ConfigError(
+            f"strategy.staleness_bound={s.staleness_bound} needs strategy.consistency=ssp "
+            f"(a clock bound) or strategy.reject_beyond_bound=true; got {s.consistency}"
+        )
+    if s.consistency == "bsp" and s.pull_every != 1:
+        raise ConfigError(
+            f"strategy.pull_every={s.pull_every} is out of range for strategy.consistency=bsp; "
+            "allowed: 1 (every round starts from the parameters it produced)"
+        )
+    if s.reject_beyond_bound and s.consistency == "bsp":
+        raise ConfigError(
+            "strategy.reject_beyond_bound=true needs strategy.consistency=async or ssp; "
+            "bsp pushes are never stale"
+        )
+    if cfg.train.precision != "fp32":
+        raise ConfigError(
+            f"train.precision={cfg.train.precision} is not supported with strategy.kind=ps; "
+            "allowed: fp32"
+        )
+    if cfg.optim.grad_clip:
+        raise ConfigError(
+            f"optim.grad_clip={cfg.optim.grad_clip} is not supported with strategy.kind=ps "
+            "(no shard sees the whole gradient); set optim.grad_clip=0"
+        )
+    tensors = _parameter_tensors(cfg)
+    if s.num_shards > tensors:
+        raise ConfigError(
+            f"strategy.num_shards={s.num_shards} is more than the model's {tensors} parameter "
+            f"tensors; allowed: 1 to {tensors}"
+        )
+    workers = cfg.scaling.num_workers
+    _require("faults.slow_rank", -1 <= f.slow_rank < workers, f.slow_rank, f"-1 to {workers - 1}")
+    _require("faults.shard", 0 <= f.shard < s.num_shards, f.shard, f"0 to {s.num_shards - 1}")
+
+
+def _parameter_tensors(cfg: JobConfig) -> int:
+    """The model's parameter tensors (a shared one counted once), built without memory."""
+    import torch
+
+    from trainstack.models import MODELS
+
+    with torch.device("meta"):
+        model = MODELS[cfg.model.kind](cfg.model, vocab_size=cfg.data.vocab_size)
+    return len(list(model.parameters()))
+
+
 def _validate_deepspeed_pipeline(cfg: JobConfig) -> None:
     s, m = cfg.strategy, cfg.model
     if s.schedule != "1f1b" or cfg.pipeline_virtual_stages != 1:
@@ -414,9 +482,9 @@ def _validate_compression(cfg: JobConfig) -> None:
     _require("compression.bits", c.bits in QSGD_BITS, c.bits, bits_allowed)
     _require("compression.rank", c.rank >= 1, c.rank, ">= 1")
     _require("compression.min_numel", c.min_numel >= 0, c.min_numel, ">= 0")
-    if c.kind != "none" and cfg.strategy.kind != "ddp":
+    if c.kind != "none" and cfg.strategy.kind not in ("ddp", "ps"):
         raise ConfigError(
-            f"compression.kind={c.kind} needs strategy.kind=ddp; got {cfg.strategy.kind}"
+            f"compression.kind={c.kind} needs strategy.kind=ddp or ps; got {cfg.strategy.kind}"
         )
 
 

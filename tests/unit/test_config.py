@@ -202,7 +202,7 @@ def test_lenient_scalar_coercion() -> None:
         ({"checkpoint": {"storage_path": ""}}, "checkpoint.storage_path='' is empty"),
         (
             {"strategy": {"kind": "dpp"}},
-            "strategy.kind='dpp' is not one of ddp, zero, pipeline; did you mean 'ddp'?",
+            "strategy.kind='dpp' is not one of ddp, zero, pipeline, ps; did you mean 'ddp'?",
         ),
         ({"log": {"progress": "bars"}}, "log.progress='bars' is not one of auto, bar, lines"),
         ({"optim": {"warmup_steps": 200}}, "optim.warmup_steps=200 must be less than train.steps"),
@@ -318,7 +318,7 @@ def test_compression_out_of_range_values_are_one_line_errors(section: dict, expe
 
 def test_compression_needs_ddp_for_now() -> None:
     message = error_of({"compression": {"kind": "topk"}, "strategy": {"kind": "zero"}})
-    assert message == "compression.kind=topk needs strategy.kind=ddp; got zero"
+    assert message == "compression.kind=topk needs strategy.kind=ddp or ps; got zero"
     assert config_from_dict({"strategy": {"kind": "zero"}}).compression.kind == "none"
     assert config_from_dict({"compression": {"kind": "powersgd"}}).compression.rank == 4
 

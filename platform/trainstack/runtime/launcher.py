@@ -211,6 +211,10 @@ def run_job(
 
     started_local = connect(address)
     tracker = start_tracking(cfg, run_dir=run_dir)
+    if cfg.strategy.kind == "ps":
+        return _run_parameter_server(
+            cfg, tracker=tracker, display=display, on_record=on_record, started_local=started_local
+        )
     follower = RunFollower(display=display, tracker=tracker, on_record=on_record)
     events = Queue(actor_options={"num_cpus": 0})
     resources: dict[str, float] = {"CPU": cfg.scaling.cpus_per_worker}
@@ -274,6 +278,37 @@ def run_job(
         mlflow_run_id=tracker.run_id,
         tracking_error=tracker.error,
     )
+    tracker.finish(summary, failed=False)
+    return summary
+
+
+def _run_parameter_server(
+    cfg: JobConfig,
+    *,
+    tracker: Tracker,
+    display: ProgressDisplay | None,
+    on_record: Callable[[dict[str, Any]], None] | None,
+    started_local: bool,
+) -> dict[str, Any]:
+    """A `ps` job: plain Ray actors instead of a Train worker group (trainstack.ps)."""
+    from trainstack.ps.driver import WorkerFailedError, run_parameter_server
+
+    def on_progress(record: dict[str, Any]) -> None:
+        tracker.log_metrics(record, step=record["step"])
+        if on_record is not None:
+            on_record(record)
+
+    try:
+        summary = run_parameter_server(cfg, display=display, on_progress=on_progress)
+    except WorkerFailedError as err:
+        tracker.finish({}, failed=True)
+        raise RunFailedError(str(err)) from err
+    finally:
+        if display is not None:
+            display.close()
+        if started_local:
+            ray.shutdown()
+    summary.update(mlflow_run_id=tracker.run_id, tracking_error=tracker.error)
     tracker.finish(summary, failed=False)
     return summary
 

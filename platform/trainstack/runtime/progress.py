@@ -99,6 +99,30 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("peak memory", f"{summary['peak_mem_bytes'] / 2**20:,.0f} MiB per worker"),
         ("wall time", f"{summary.get('wall_s', 0):.1f} s  (training {summary['train_s']:.1f} s)"),
     ]
+    if "ps" in summary:
+        ps = summary["ps"]
+        rows.append(
+            (
+                "updates/s",
+                f"{ps['updates_per_s']:,.1f} per shard ({ps['consistency']}, {ps['num_shards']} "
+                f"shards, {ps['rejected']} pushes rejected)",
+            )
+        )
+        rows.append(
+            (
+                "staleness",
+                f"mean {ps['staleness_mean']:.2f}, p50 {ps['staleness_p50']:.0f}, "
+                f"p99 {ps['staleness_p99']:.0f}, max {ps['staleness_max']} (updates)",
+            )
+        )
+        for failure in ps["shard_failures"]:
+            rows.append(
+                (
+                    "shard failure",
+                    f"shard {failure['shard']} restored version {failure['restored_version']}, "
+                    f"{failure['updates_lost']} updates lost",
+                )
+            )
     if summary.get("restarts"):
         lost = [r["steps_lost"] for r in summary.get("recovery", []) if r["steps_lost"] is not None]
         detail = f" (steps lost per restart: {', '.join(map(str, lost))})" if lost else ""

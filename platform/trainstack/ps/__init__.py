@@ -1,0 +1,3 @@
+"""The asynchronous parameter server: shard actors, worker actors and a clock board on
+plain Ray actors (no collective), with async, bounded-staleness (ssp) and synchronous
+(bsp) consistency. `run_parameter_server` runs a `strategy.kind: ps` job."""

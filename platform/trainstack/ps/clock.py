@@ -1,0 +1,131 @@
+"""Worker clocks and the bounded-staleness rule, as plain state (tested without Ray).
+
+A worker's clock is the number of steps it has pushed. Under `ssp` with bound s a
+worker may start step c (its clock is c) only while c - min(clocks) <= s, where the
+minimum runs over workers that have not finished; `bsp` is the bound 0; `async`
+never waits. `ClockBoard` also remembers every worker's clock across its restarts
+(the data cursor it resumes from), the largest shard version each shard reported,
+and what each shard failure lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(kw_only=True)
+class StalenessBound:
+    """Which workers may start which step: the SSP rule over their clocks."""
+
+    workers: int
+    bound: float
+    """Clocks a worker may run ahead of the slowest (math.inf: async)."""
+    total_steps: int
+    clocks: list[int] = field(default_factory=list)
+    stopped: set[int] = field(default_factory=set)
+    """Workers that stopped early (a time budget): they hold no one back."""
+
+    def __post_init__(self) -> None:
+        if not self.clocks:
+            self.clocks = [0] * self.workers
+
+    def slowest(self) -> int:
+        """The smallest clock of a worker that has steps left (total_steps if none has)."""
+        running = [
+            c for w, c in enumerate(self.clocks) if c < self.total_steps and w not in self.stopped
+        ]
+        return min(running, default=self.total_steps)
+
+    def may_start(self, worker: int) -> bool:
+        """May `worker` start its next step (its clock) now?"""
+        return self.clocks[worker] - self.slowest() <= self.bound
+
+    def gap(self, worker: int) -> int:
+        """How many clocks `worker` is ahead of the slowest."""
+        return self.clocks[worker] - self.slowest()
+
+    def advance(self, worker: int, clock: int) -> None:
+        """`worker` has pushed `clock` steps."""
+        self.clocks[worker] = max(self.clocks[worker], clock)
+
+
+def bound_for(consistency: str, staleness_bound: int) -> float:
+    return {"async": math.inf, "ssp": float(staleness_bound), "bsp": 0.0}[consistency]
+
+
+class ClockBoard:
+    """The Ray actor (async: waiting workers do not block the others) that holds the
+    clocks, makes `ssp` workers wait, and keeps what the driver reports."""
+
+    def __init__(self, *, workers: int, bound: float, total_steps: int) -> None:
+        self.rule = StalenessBound(workers=workers, bound=bound, total_steps=total_steps)
+        self.changed = asyncio.Condition()
+        self.gaps: list[int] = []
+        self.waits = 0
+        self.wait_s = 0.0
+        self.losses: list[tuple[int, float]] = []
+        self.shard_versions: dict[int, int] = {}
+        self.shard_losses: list[dict[str, int]] = []
+        self.worker_starts = [0] * workers
+
+    async def wait_turn(self, worker: int) -> int:
+        """Block while `worker` may not start its next step; return its clock gap then."""
+        start = time.perf_counter()
+        waited = False
+        async with self.changed:
+            while not self.rule.may_start(worker):
+                waited = True
+                await self.changed.wait()
+        if waited:
+            self.waits += 1
+            self.wait_s += time.perf_counter() - start
+        gap = self.rule.gap(worker)
+        self.gaps.append(gap)
+        return gap
+
+    async def advance(self, worker: int, clock: int, loss: float) -> None:
+        async with self.changed:
+            self.rule.advance(worker, clock)
+            self.losses.append((clock, loss))
+            self.changed.notify_all()
+
+    async def stop(self, worker: int) -> None:
+        """`worker` takes no more steps (done, or out of time)."""
+        async with self.changed:
+            self.rule.stopped.add(worker)
+            self.changed.notify_all()
+
+    def worker_started(self, worker: int) -> int:
+        """A worker (re)starts: count it and return the clock it resumes from."""
+        self.worker_starts[worker] += 1
+        return self.rule.clocks[worker]
+
+    def saw_shard_version(self, shard: int, version: int) -> None:
+        self.shard_versions[shard] = max(self.shard_versions.get(shard, 0), version)
+
+    def shard_restored(self, shard: int, version: int) -> None:
+        """A restarted shard resumed from `version`: what it had applied beyond is lost."""
+        seen = self.shard_versions.get(shard, 0)
+        self.shard_losses.append(
+            {"shard": shard, "restored_version": version, "updates_lost": max(0, seen - version)}
+        )
+        self.shard_versions[shard] = version
+
+    def progress(self) -> dict[str, object]:
+        return {
+            "clocks": list(self.rule.clocks),
+            "recent_loss": [loss for _, loss in self.losses[-16:]],
+        }
+
+    def report(self) -> dict[str, object]:
+        return {
+            "clocks": list(self.rule.clocks),
+            "gaps": self.gaps,
+            "waits": self.waits,
+            "wait_s": self.wait_s,
+            "worker_restarts": [max(0, n - 1) for n in self.worker_starts],
+            "shard_losses": self.shard_losses,
+        }

@@ -1,0 +1,312 @@
+"""Runs a `ps` job on plain Ray actors: S shards, N workers and a clock board.
+
+The driver builds the model once (the seed fixes its weights), partitions it over the
+shards by bytes, starts the actors, and waits for every worker to push its
+`train.steps` steps, showing progress from the board. A worker that dies is restarted
+by Ray (`failure.max_failures` restarts per worker, -1 unlimited) and its `run` is
+called again; shards are always restarted and restore their own checkpoints. At the
+end the driver pulls the final parameters, evaluates them on held-out data, writes
+them as a standard checkpoint (`model.pt`, loadable by any strategy) and returns the
+summary: updates/s, staleness, per-worker throughput, restarts and losses.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from ray.exceptions import RayActorError
+
+from trainstack import checkpoint as ckpt
+from trainstack.config import JobConfig, config_to_dict
+from trainstack.data import build_corpus
+from trainstack.data.sharding import eval_batches
+from trainstack.models import build_model
+from trainstack.ps.clock import ClockBoard, bound_for
+from trainstack.ps.partition import ShardLayout, partition
+from trainstack.ps.shard import ParameterServerShard
+from trainstack.ps.worker import ParameterServerWorker
+from trainstack.runtime.local import DirectoryCheckpointStore
+from trainstack.runtime.progress import ProgressDisplay
+from trainstack.strategies.base import next_token_loss
+
+
+class WorkerFailedError(RuntimeError):
+    """A worker failed more often than `failure.max_failures` allows."""
+
+
+def run_parameter_server(
+    cfg: JobConfig,
+    *,
+    display: ProgressDisplay | None = None,
+    on_progress: Any = None,
+    time_budget_s: float | None = None,
+) -> dict[str, Any]:
+    """Train `cfg` (strategy.kind ps) on the connected Ray cluster; return the summary.
+
+    With `time_budget_s` (benchmarks) workers stop after that many seconds of training
+    even if they have steps left."""
+    wall_start = time.perf_counter()
+    run_dir = ckpt.run_dir_for(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    spec = config_to_dict(cfg)
+    s, workers = cfg.strategy, cfg.scaling.num_workers
+    model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.train.seed)
+    layouts = partition(model, s.num_shards)
+
+    board: Any = (
+        ray.remote(ClockBoard)
+        .options(num_cpus=0, max_concurrency=4 * workers + 8)
+        .remote(
+            workers=workers,
+            bound=bound_for(s.consistency, s.staleness_bound),
+            total_steps=cfg.train.steps,
+        )
+    )
+    shards: list[Any] = [
+        ray.remote(ParameterServerShard)
+        .options(num_cpus=0, max_restarts=-1, max_task_retries=-1)
+        .remote(
+            index=i,
+            layout=layout,
+            spec=spec,
+            checkpoint_dir=str(run_dir / "ps"),
+            board=board,
+        )
+        for i, layout in enumerate(layouts)
+    ]
+    worker_actors: list[Any] = [
+        ray.remote(ParameterServerWorker)
+        .options(
+            num_cpus=cfg.scaling.cpus_per_worker,
+            max_restarts=cfg.failure.max_failures,
+            max_task_retries=-1,  # `run` starts again on the restarted worker
+        )
+        .remote(
+            index=w,
+            spec=spec,
+            shards=shards,
+            layouts=layouts,
+            board=board,
+            run_dir=str(run_dir),
+        )
+        for w in range(workers)
+    ]
+    if display is not None:
+        sizes = ", ".join(f"{layout.numel:,}" for layout in layouts)
+        display.note(
+            f"parameter server ({s.consistency}): {workers} workers, {s.num_shards} shards "
+            f"({sizes} parameters)"
+        )
+    ray.get([actor.__ray_ready__.remote() for actor in [*worker_actors, *shards]])
+    deadline = time.time() + time_budget_s if time_budget_s is not None else None
+    reports = _run_workers(
+        cfg, worker_actors, board, deadline=deadline, display=display, on_progress=on_progress
+    )
+    train_s = max(r["wall_s"] for r in reports)  # from the workers' first step: no start-up
+
+    shard_reports = ray.get([shard.report.remote() for shard in shards])
+    final = ray.get([shard.pull.remote() for shard in shards])
+    board_report = ray.get(board.report.remote())
+    for actor in [*worker_actors, *shards, board]:
+        ray.kill(actor)
+    _load_final(model, layouts, [flat for _, flat in final])
+    summary = _summary(
+        cfg,
+        model,
+        reports=reports,
+        shard_reports=shard_reports,
+        board_report=board_report,
+        train_s=train_s,
+    )
+    summary["final_checkpoint"] = str(_save_final(cfg, model, run_dir=run_dir, summary=summary))
+    summary["wall_s"] = time.perf_counter() - wall_start
+    summary["run_dir"] = str(run_dir)
+    return summary
+
+
+def _run_workers(
+    cfg: JobConfig,
+    actors: list[Any],
+    board: Any,
+    *,
+    deadline: float | None,
+    display: ProgressDisplay | None,
+    on_progress: Any,
+) -> list[dict[str, Any]]:
+    """Wait for every worker's `run`. Ray restarts a worker that dies (up to
+    `failure.max_failures` times) and runs `run` again on it (task retries); a worker
+    out of restarts fails the job."""
+    pending = {actor.run.remote(deadline): w for w, actor in enumerate(actors)}
+    reports: list[dict[str, Any]] = [{} for _ in actors]
+    start = time.perf_counter()
+    last_shown = -1
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
+        for ref in ready:
+            w = pending.pop(ref)
+            try:
+                reports[w] = ray.get(ref)
+            except RayActorError as err:
+                raise WorkerFailedError(
+                    f"parameter-server worker {w} failed more often than "
+                    f"failure.max_failures={cfg.failure.max_failures} allows; last error: "
+                    f"{str(err).strip().splitlines()[0]}"
+                ) from err
+        last_shown = _show_progress(cfg, board, start, last_shown, display, on_progress)
+    return reports
+
+
+def _show_progress(
+    cfg: JobConfig,
+    board: Any,
+    start: float,
+    last_shown: int,
+    display: ProgressDisplay | None,
+    on_progress: Any,
+) -> int:
+    """Show the slowest worker's clock as the step when it crosses a log boundary."""
+    progress = ray.get(board.progress.remote())
+    step = min(progress["clocks"])
+    every = cfg.log.every_steps
+    if step // every == last_shown // every and step != cfg.train.steps:
+        return last_shown
+    elapsed = time.perf_counter() - start
+    done = sum(progress["clocks"])
+    samples = done * cfg.train.global_batch_size / cfg.scaling.num_workers
+    record = {
+        "step": max(step, 1),
+        "steps": cfg.train.steps,
+        "loss": statistics.fmean(progress["recent_loss"])
+        if progress["recent_loss"]
+        else float("nan"),
+        "tokens_per_s": samples * cfg.model.block_size / elapsed if elapsed else 0.0,
+        "samples_per_s": samples / elapsed if elapsed else 0.0,
+        "mfu": None,
+        "elapsed_s": elapsed,
+    }
+    if display is not None and step > 0:
+        display.update(record)
+    if on_progress is not None:
+        on_progress(record)
+    return step
+
+
+def _load_final(
+    model: torch.nn.Module, layouts: list[ShardLayout], flats: list[np.ndarray]
+) -> None:
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for layout, flat in zip(layouts, flats, strict=True):
+            for name, value in layout.unflatten(flat).items():
+                params[name].copy_(value)
+
+
+@torch.no_grad()
+def _held_out_loss(cfg: JobConfig, model: torch.nn.Module) -> float | None:
+    if cfg.data.eval_samples == 0:
+        return None
+    batches = eval_batches(
+        build_corpus(cfg.data),
+        count=cfg.data.eval_samples,
+        seq_len=cfg.model.block_size,
+        micro_batch_size=cfg.train.micro_batch_size,
+        rank=0,
+        world_size=1,
+    )
+    model.eval()
+    total = tokens = 0.0
+    for x, y in batches:
+        total += float(next_token_loss(model(x), y)) * y.numel()
+        tokens += y.numel()
+    return total / tokens
+
+
+def _summary(
+    cfg: JobConfig,
+    model: Any,
+    *,
+    reports: list[dict[str, Any]],
+    shard_reports: list[dict[str, Any]],
+    board_report: dict[str, Any],
+    train_s: float,
+) -> dict[str, Any]:
+    s = cfg.strategy
+    staleness = np.array([t for r in shard_reports for t in r["staleness"]], dtype=np.int64)
+    updates = sum(r["version"] for r in shard_reports) / len(shard_reports)
+    clocks = board_report["clocks"]
+    samples = sum(clocks) * cfg.train.global_batch_size / cfg.scaling.num_workers
+    eval_loss = _held_out_loss(cfg, model)
+    sent = sum(r["bytes_sent"] for r in reports)
+    dense = sum(r["dense_bytes"] for r in reports)
+    corpus = build_corpus(cfg.data)
+    return {
+        "strategy": "ps",
+        "world_size": cfg.scaling.num_workers,
+        "device": "cpu",
+        "steps": min(clocks),
+        "final_loss": eval_loss if eval_loss is not None else float("nan"),
+        "eval_loss": eval_loss,
+        "entropy_floor": corpus.loss_floor(cfg.model.block_size),
+        "tokens_per_s": samples * cfg.model.block_size / train_s,
+        "samples_per_s": samples / train_s,
+        "mfu": None,
+        "peak_mem_bytes": 0,
+        "train_s": train_s,
+        "params": model.num_params(),
+        "restarts": sum(board_report["worker_restarts"]) + len(board_report["shard_losses"]),
+        "ps": {
+            "consistency": s.consistency,
+            "num_shards": s.num_shards,
+            "updates": updates,
+            "updates_per_s": updates / train_s,
+            "pushes": int(staleness.size),
+            "rejected": sum(r["rejected"] for r in shard_reports),
+            "staleness_mean": float(staleness.mean()) if staleness.size else 0.0,
+            "staleness_p50": float(np.percentile(staleness, 50)) if staleness.size else 0.0,
+            "staleness_p99": float(np.percentile(staleness, 99)) if staleness.size else 0.0,
+            "staleness_max": int(staleness.max()) if staleness.size else 0,
+            "clock_gap_max": max(board_report["gaps"], default=0),
+            "waits": board_report["waits"],
+            "wait_s": board_report["wait_s"],
+            "worker_clocks": clocks,
+            "worker_steps_per_s": [
+                r["steps"] / r["wall_s"] if r["wall_s"] else 0.0 for r in reports
+            ],
+            "worker_seconds": [r["seconds"] for r in reports],
+            "worker_restarts": board_report["worker_restarts"],
+            "shard_failures": board_report["shard_losses"],
+            "bytes_pushed": sent,
+            "compression_ratio": dense / sent if sent else 1.0,
+        },
+    }
+
+
+def _save_final(cfg: JobConfig, model: Any, *, run_dir: Path, summary: dict[str, Any]) -> Path:
+    """The final weights as a standard checkpoint any strategy loads."""
+    step = summary["steps"]
+    name = ckpt.dir_name(step)
+    with tempfile.TemporaryDirectory(prefix="trainstack-ps-") as tmp:
+        staging = Path(tmp)
+        entries = ckpt.write_rank_files(staging, {"model.pt": model.state_dict()})
+        manifest = ckpt.build_manifest(
+            step=step,
+            samples_seen=step * cfg.train.global_batch_size,
+            tokens_seen=step * cfg.train.global_batch_size * cfg.model.block_size,
+            spec=config_to_dict(cfg),
+            strategy="ps",
+            world_size=cfg.scaling.num_workers,
+            files=entries,
+            metrics=summary,
+        )
+        ckpt.write_manifest(staging, manifest)
+        DirectoryCheckpointStore(run_dir, rank=0, distributed=False).commit(
+            staging, name=name, metrics=summary
+        )
+    return run_dir / name

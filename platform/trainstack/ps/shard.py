@@ -1,0 +1,227 @@
+"""`ParameterServerShard`: one slice of the model's parameters and their optimizer.
+
+A shard applies each push as it arrives (`async`, `ssp`) or averages the pushes of
+one clock from every worker and applies them together (`bsp`). Its version counts
+the updates it has applied; a push carries the version of the parameters its
+gradient was computed from, and its staleness is the difference. The learning rate
+of a push follows the job's schedule at the pushing worker's clock, optionally
+divided by 1 + a·staleness; with `reject_beyond_bound` a push staler than the bound
+is dropped and counted.
+
+Every `checkpoint_every_updates` updates the shard saves its parameters, optimizer
+state and version (atomically, with a sha256 beside it) and, restarted by Ray after a
+crash, resumes from the newest file that verifies. Pushes that reach it while it
+restarts are retried by Ray (the actor is created with task retries), not lost.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from trainstack.checkpoint import save_atomically, write_text_atomically
+from trainstack.compression import ErrorFeedback, Payload, build_compressor
+from trainstack.config import config_from_dict
+from trainstack.models import build_model
+from trainstack.ps.partition import ShardLayout
+from trainstack.runtime.optim import build_optimizer, lr_multiplier, scaled_lr
+
+Push = np.ndarray | list[tuple[tuple[int, ...], list[np.ndarray]]]
+"""A gradient on the wire: the shard's flat float32 gradient, or with compression one
+(shape, payload parts) per parameter."""
+
+
+class ParameterServerShard:
+    def __init__(
+        self,
+        *,
+        index: int,
+        layout: ShardLayout,
+        spec: dict[str, Any],
+        checkpoint_dir: str,
+        board: Any,
+    ) -> None:
+        self.cfg = cfg = config_from_dict(spec)
+        self.index = index
+        self.layout = layout
+        self.workers = cfg.scaling.num_workers
+        self.board = board
+        self.dir = Path(checkpoint_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        # The seed fixes the model's weights: build it and keep this shard's slice (passing
+        # the slice in would put it in the object store, where a restart may not find it).
+        model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.train.seed)
+        initial = layout.unflatten(layout.flatten(dict(model.named_parameters())))
+        self.params = nn.ParameterList(nn.Parameter(t) for t in initial.values())
+        self.base_lr = scaled_lr(cfg.optim, data_parallel_size=self.workers)
+        self.optimizer = build_optimizer(self.params, cfg.optim, lr=self.base_lr)
+        self.version = 0
+        self.pending: dict[int, list[torch.Tensor]] = {}
+        self.staleness: list[int] = []
+        self.rejected = 0
+        self.bytes_received = 0
+        self.apply_s = 0.0
+        self.compressors: dict[int, Any] = {}
+        restored = self._restore()
+        if restored is not None:
+            board.shard_restored.remote(index, restored)
+
+    # ---- wire ---------------------------------------------------------------------------
+
+    def pull(self) -> tuple[int, np.ndarray]:
+        """This shard's version and its parameters as one float32 array."""
+        flat = torch.cat([p.detach().reshape(-1) for p in self.params]).numpy()
+        return self.version, flat
+
+    def push(self, worker: int, clock: int, pulled_version: int, grad: Push) -> int:
+        """Apply (or, under bsp, collect) `worker`'s gradient of step `clock`, computed from
+        this shard's parameters at `pulled_version`; return the version now."""
+        self._maybe_die()
+        start = time.perf_counter()
+        flat = self._decode(worker, clock, grad)
+        staleness = self.version - pulled_version
+        self.staleness.append(staleness)
+        if self.cfg.strategy.consistency == "bsp":
+            waiting = self.pending.setdefault(clock, [])
+            waiting.append(flat)
+            if len(waiting) == self.workers:
+                self._apply(torch.stack(self.pending.pop(clock)).mean(0), clock=clock, staleness=0)
+        elif (
+            self.cfg.strategy.reject_beyond_bound and staleness > self.cfg.strategy.staleness_bound
+        ):
+            self.rejected += 1
+        else:
+            self._apply(flat, clock=clock, staleness=staleness)
+        self.apply_s += time.perf_counter() - start
+        return self.version
+
+    def _decode(self, worker: int, clock: int, grad: Push) -> torch.Tensor:
+        if isinstance(grad, np.ndarray):
+            self.bytes_received += grad.nbytes
+            return torch.from_numpy(np.array(grad, dtype=np.float32, copy=True))
+        compressor = self.compressors.get(worker)
+        if compressor is None:
+            seed = self.cfg.train.seed
+            compressor = build_compressor(self.cfg.compression, seed=seed, rank=worker)
+            self.compressors[worker] = compressor
+        parts = []
+        for i, (shape, arrays) in enumerate(grad):
+            payload = Payload(torch.Size(shape), tuple(torch.from_numpy(a.copy()) for a in arrays))
+            self.bytes_received += payload.nbytes
+            decoded = compressor.decode(payload, step=clock, bucket_index=i)
+            parts.append(decoded.reshape(-1))
+        return torch.cat(parts)
+
+    def _apply(self, flat: torch.Tensor, *, clock: int, staleness: int) -> None:
+        s, o = self.cfg.strategy, self.cfg.optim
+        lr = self.base_lr * lr_multiplier(clock, o, total_steps=self.cfg.train.steps)
+        if s.staleness_lr == "inverse":
+            lr /= 1.0 + s.staleness_alpha * staleness
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        offset = 0
+        for p in self.params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        if self.version % s.checkpoint_every_updates == 0:
+            self._save()
+
+    # ---- checkpoints --------------------------------------------------------------------
+
+    def _path(self, version: int) -> Path:
+        return self.dir / f"shard_{self.index:03d}_v{version:09d}.pt"
+
+    def _save(self) -> None:
+        state = {
+            "version": self.version,
+            "params": [p.detach().clone() for p in self.params],
+            "optimizer": self.optimizer.state_dict(),
+            "staleness": torch.tensor(self.staleness, dtype=torch.int64),
+            "rejected": self.rejected,
+        }
+        path = self._path(self.version)
+        save_atomically(state, path)
+        write_text_atomically(path.with_suffix(".sha256"), _sha256(path))
+        for old in sorted(self.dir.glob(f"shard_{self.index:03d}_v*.pt"))[:-2]:
+            old.unlink(missing_ok=True)
+            old.with_suffix(".sha256").unlink(missing_ok=True)
+
+    def _restore(self) -> int | None:
+        """Load the newest checkpoint of this shard that verifies; return its version."""
+        for path in sorted(self.dir.glob(f"shard_{self.index:03d}_v*.pt"), reverse=True):
+            digest = path.with_suffix(".sha256")
+            if not digest.exists() or digest.read_text().strip() != _sha256(path):
+                continue
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            with torch.no_grad():
+                for p, saved in zip(self.params, state["params"], strict=True):
+                    p.copy_(saved)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.version = int(state["version"])
+            self.staleness = state["staleness"].tolist()
+            self.rejected = int(state["rejected"])
+            return self.version
+        return None
+
+    def _maybe_die(self) -> None:
+        """Test-only: die just before applying a planned update, once per run."""
+        f = self.cfg.faults
+        upcoming = self.version + 1
+        if self.index != f.shard or upcoming not in f.kill_shard_at_updates:
+            return
+        marker = self.dir / f"killed_before_update_{upcoming}"
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return
+        os._exit(17)
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "version": self.version,
+            "staleness": self.staleness,
+            "rejected": self.rejected,
+            "bytes_received": self.bytes_received,
+            "apply_s": self.apply_s,
+            "numel": self.layout.numel,
+        }
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def encode_push(
+    grads: dict[str, torch.Tensor],
+    layout: ShardLayout,
+    *,
+    compressor: Any,
+    feedback: ErrorFeedback | None,
+    clock: int,
+) -> tuple[Push, int]:
+    """A worker's gradient for one shard in wire form, and its bytes."""
+    if compressor is None:
+        flat = layout.flatten(grads)
+        return flat, flat.nbytes
+    out, nbytes = [], 0
+    for i, name in enumerate(layout.names):
+        assert feedback is not None
+        payload = feedback.encode(compressor, grads[name], step=clock, bucket_index=i)
+        out.append((tuple(payload.shape), [part.numpy() for part in payload.parts]))
+        nbytes += payload.nbytes
+    return out, nbytes

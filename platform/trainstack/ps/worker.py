@@ -1,0 +1,159 @@
+"""`ParameterServerWorker`: computes gradients on its data shard and pushes them.
+
+Worker w of N reads its slice of each global batch of the job's sample stream (the
+same `ShardedBatches` as the synchronous strategies, rank w of N), so N workers at
+the same clock together see exactly one global batch. A step: wait for its turn
+(ssp, bsp), pull fresh parameters every `pull_every` steps, forward/backward over
+its micro-batches, push each shard its slice of the gradient (compressed, with error
+feedback kept here, when the spec says so), and tell the clock board.
+
+Restarted by Ray after a crash, it asks the board for the clock it had reached,
+resumes its data cursor there, and pulls fresh parameters; the other workers never
+stop. Its error-feedback residuals start again from zero.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+import torch
+
+from trainstack.compression import ErrorFeedback, build_compressor
+from trainstack.config import config_from_dict
+from trainstack.data import build_corpus
+from trainstack.data.sharding import DataCursor, ShardedBatches
+from trainstack.models import build_model
+from trainstack.ps.partition import ShardLayout
+from trainstack.ps.shard import encode_push
+from trainstack.runtime.faults import FaultInjector
+from trainstack.runtime.loop import torch_threads
+from trainstack.strategies.base import next_token_loss
+
+
+class ParameterServerWorker:
+    def __init__(
+        self,
+        *,
+        index: int,
+        spec: dict[str, Any],
+        shards: list[Any],
+        layouts: list[ShardLayout],
+        board: Any,
+        run_dir: str,
+    ) -> None:
+        from pathlib import Path
+
+        self.cfg = cfg = config_from_dict(spec)
+        torch.set_num_threads(torch_threads(cfg))
+        self.index = index
+        self.shards, self.layouts, self.board = shards, layouts, board
+        self.model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.train.seed)
+        self.params = dict(self.model.named_parameters())
+        self.clock: int = ray.get(board.worker_started.remote(index))
+        self.batches = ShardedBatches(
+            corpus=build_corpus(cfg.data),
+            seq_len=cfg.model.block_size,
+            global_batch_size=cfg.train.global_batch_size,
+            micro_batch_size=cfg.train.micro_batch_size,
+            rank=index,
+            world_size=cfg.scaling.num_workers,
+            cursor=DataCursor(samples_seen=self.clock * cfg.train.global_batch_size),
+        )
+        compression = cfg.compression
+        self.compressors = [
+            build_compressor(compression, seed=cfg.train.seed, rank=index)
+            if compression.kind != "none"
+            else None
+            for _ in layouts
+        ]
+        self.feedback = [ErrorFeedback(enabled=compression.error_feedback) for _ in layouts]
+        self.faults = FaultInjector(
+            cfg, rank=index, marker_dir=Path(run_dir) / "faults", on_fire=lambda record: None
+        )
+        self.versions = [0] * len(shards)
+        self.seconds = {"compute": 0.0, "push": 0.0, "pull": 0.0, "wait": 0.0, "slow": 0.0}
+        self.bytes_sent = 0
+        self.dense_bytes = 0
+        self.steps_done = 0
+        torch.manual_seed(cfg.train.seed + 1 + index)
+
+    def run(self, deadline: float | None = None) -> dict[str, Any]:
+        """Train until this worker has pushed `train.steps` steps (or the wall clock passes
+        `deadline`, a `time.time()`); return its figures."""
+        s = self.cfg.strategy
+        pulled_at = None
+        start = time.perf_counter()
+        while self.clock < self.cfg.train.steps:
+            if deadline is not None and time.time() >= deadline:
+                break
+            self.faults.before_step(self.clock + 1)
+            if s.consistency != "async":
+                t = time.perf_counter()
+                ray.get(self.board.wait_turn.remote(self.index))
+                self.seconds["wait"] += time.perf_counter() - t
+            if pulled_at is None or self.clock - pulled_at >= s.pull_every:
+                self._pull()
+                pulled_at = self.clock
+            t = time.perf_counter()
+            loss = self._gradients()
+            compute = time.perf_counter() - t
+            self.seconds["compute"] += compute
+            if self.index == self.cfg.faults.slow_rank:  # a slower device: compute takes longer
+                delay = (self.cfg.faults.slow_factor - 1.0) * compute
+                time.sleep(delay)
+                self.seconds["slow"] += delay
+            self._push()
+            self.clock += 1
+            self.steps_done += 1
+            self.board.advance.remote(self.index, self.clock, loss)  # ordered before the next wait
+        ray.get(self.board.stop.remote(self.index))
+        return {
+            "worker": self.index,
+            "steps": self.steps_done,
+            "wall_s": time.perf_counter() - start,
+            "seconds": self.seconds,
+            "bytes_sent": self.bytes_sent,
+            "dense_bytes": self.dense_bytes,
+        }
+
+    def _pull(self) -> None:
+        t = time.perf_counter()
+        pulled = ray.get([shard.pull.remote() for shard in self.shards])
+        with torch.no_grad():
+            for i, (version, flat) in enumerate(pulled):
+                self.versions[i] = version
+                for name, value in self.layouts[i].unflatten(flat).items():
+                    self.params[name].copy_(value)
+        self.seconds["pull"] += time.perf_counter() - t
+
+    def _gradients(self) -> float:
+        """Mean loss over this worker's micro-batches of the step; gradients left in .grad."""
+        self.model.zero_grad(set_to_none=True)
+        micro_batches = self.batches.next_step()
+        total = 0.0
+        for x, y in micro_batches:
+            loss = next_token_loss(self.model(x), y)
+            (loss / len(micro_batches)).backward()
+            total += loss.item()
+        return total / len(micro_batches)
+
+    def _push(self) -> None:
+        t = time.perf_counter()
+        grads = {name: p.grad for name, p in self.params.items() if p.grad is not None}
+        refs = []
+        for i, (shard, layout) in enumerate(zip(self.shards, self.layouts, strict=True)):
+            wire, nbytes = encode_push(
+                grads,
+                layout,
+                compressor=self.compressors[i],
+                feedback=self.feedback[i],
+                clock=self.clock,
+            )
+            self.bytes_sent += nbytes
+            self.dense_bytes += layout.numel * 4
+            refs.append(shard.push.remote(self.index, self.clock, self.versions[i], wire))
+        for i, version in enumerate(ray.get(refs)):
+            self.board.saw_shard_version.remote(i, version)
+        self.seconds["push"] += time.perf_counter() - t

@@ -1,0 +1,117 @@
+"""The parameter server on Ray actors: BSP is synchronous SGD, SSP keeps its bound
+with a straggler, async converges with its staleness controls, and killed workers and
+shards are restarted without stopping the run."""
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainstack import checkpoint as ckpt
+from trainstack.config import config_from_dict
+from trainstack.ps.driver import run_parameter_server
+from trainstack.runtime.local import run_processes
+
+
+def spec(storage: Path, *, workers: int = 2, steps: int = 10, **strategy: Any) -> dict:
+    faults = strategy.pop("faults", {})
+    return {
+        "name": "ps",
+        "model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16},
+        "data": {"vocab_size": 16, "order": 1, "eval_samples": 32},
+        "train": {"steps": steps, "global_batch_size": 16, "micro_batch_size": 16 // workers},
+        "optim": {"lr": 1e-2, "warmup_steps": 2, "grad_clip": 0, "weight_decay": 0.1},
+        "strategy": {"kind": "ps", "num_shards": 2, **strategy},
+        "scaling": {"num_workers": workers, "cpus_per_worker": 1},
+        "checkpoint": {"storage_path": str(storage)},
+        "failure": {"max_failures": 1},
+        "log": {"every_steps": 5, "progress": "quiet"},
+        "faults": faults,
+    }
+
+
+def final_weights(summary: dict[str, Any]) -> dict[str, torch.Tensor]:
+    weights: dict[str, torch.Tensor] = ckpt.verify(Path(summary["final_checkpoint"])).full_weights()
+    return weights
+
+
+def test_bsp_equals_synchronous_sgd_after_10_clocks(ray_cluster: None, tmp_path: Path) -> None:
+    summary = run_parameter_server(config_from_dict(spec(tmp_path / "ps", consistency="bsp")))
+    reference = spec(tmp_path / "ref", consistency="bsp")
+    reference["strategy"] = {"kind": "ddp"}
+    reference["scaling"] = {"num_workers": 1}
+    run_processes(config_from_dict(reference), world_size=1, out_dir=tmp_path / "ref-out")
+    expected = torch.load(tmp_path / "ref-out" / "model.pt", weights_only=True)
+    got = final_weights(summary)
+    assert max((got[k] - expected[k]).abs().max().item() for k in expected) < 1e-5
+    assert summary["ps"]["staleness_max"] == 0 and summary["ps"]["updates"] == 10
+
+    # The final checkpoint is a standard one: DDP continues from it.
+    later = spec(tmp_path / "ddp", steps=12)
+    later["strategy"] = {"kind": "ddp"}
+    later["scaling"] = {"num_workers": 1}
+    resumed = run_processes(
+        config_from_dict(later),
+        world_size=1,
+        out_dir=tmp_path / "ddp-out",
+        resume_from=Path(summary["final_checkpoint"]),
+    )
+    assert resumed["resumed_from_step"] == 10
+
+
+def test_ssp_holds_its_bound_while_a_4x_straggler_makes_others_wait(
+    ray_cluster: None, tmp_path: Path
+) -> None:
+    raw = spec(
+        tmp_path,
+        workers=3,
+        steps=20,
+        consistency="ssp",
+        staleness_bound=2,
+        faults={"slow_rank": 0, "slow_factor": 4.0},
+    )
+    raw["train"]["global_batch_size"] = 15
+    raw["train"]["micro_batch_size"] = 5
+    summary = run_parameter_server(config_from_dict(raw))
+    ps = summary["ps"]
+    assert ps["clock_gap_max"] <= 2
+    assert ps["waits"] > 0  # the fast workers reached the bound and blocked
+    assert ps["staleness_max"] > 0
+
+
+def test_async_learns_and_rejects_what_is_staler_than_the_bound(
+    ray_cluster: None, tmp_path: Path
+) -> None:
+    raw = spec(
+        tmp_path,
+        steps=40,
+        consistency="async",
+        staleness_lr="inverse",
+        staleness_bound=1,
+        reject_beyond_bound=True,
+        faults={"slow_rank": 1, "slow_factor": 3.0},
+    )
+    summary = run_parameter_server(config_from_dict(raw))
+    ps = summary["ps"]
+    assert ps["rejected"] > 0
+    assert ps["updates"] * ps["num_shards"] + ps["rejected"] == ps["pushes"]
+    assert summary["final_loss"] < math.log(16) - 0.5
+
+
+def test_killed_worker_and_shard_are_restarted_and_the_run_finishes(
+    ray_cluster: None, tmp_path: Path
+) -> None:
+    common = {"steps": 40, "consistency": "async", "checkpoint_every_updates": 5}
+    calm = run_parameter_server(config_from_dict(spec(tmp_path / "calm", **common)))
+    faults = {"kill_at_steps": [15], "rank": 1, "kill_shard_at_updates": [33], "shard": 0}
+    chaos = run_parameter_server(
+        config_from_dict(spec(tmp_path / "chaos", faults=faults, **common))
+    )
+    ps = chaos["ps"]
+    assert ps["worker_restarts"] == [0, 1]
+    [lost] = ps["shard_failures"]
+    assert lost["shard"] == 0 and lost["restored_version"] == 30
+    assert 0 <= lost["updates_lost"] <= 5
+    assert chaos["restarts"] == 2
+    assert abs(chaos["final_loss"] - calm["final_loss"]) < 0.1 * calm["final_loss"]
