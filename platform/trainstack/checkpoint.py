@@ -101,7 +101,7 @@ def spec_hash(spec: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -131,7 +131,7 @@ def write_rank_files(directory: Path, files: dict[str, Any]) -> dict[str, dict[s
     for name, obj in files.items():
         path = directory / name
         save_atomically(obj, path)
-        entries[name] = {"sha256": _sha256(path), "size": path.stat().st_size}
+        entries[name] = {"sha256": file_sha256(path), "size": path.stat().st_size}
     return entries
 
 
@@ -208,7 +208,7 @@ def verify(path: Path) -> Checkpoint:
             raise CheckpointError(
                 f"{file}: size {file.stat().st_size} != {entry['size']} in manifest"
             )
-        if _sha256(file) != entry["sha256"]:
+        if file_sha256(file) != entry["sha256"]:
             raise CheckpointError(f"{file}: sha256 does not match the manifest")
     return Checkpoint(path=path, manifest=manifest)
 

@@ -12,6 +12,7 @@ summary: updates/s, staleness, per-worker throughput, restarts and losses.
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import tempfile
 import time
@@ -55,6 +56,8 @@ def run_parameter_server(
     wall_start = time.perf_counter()
     run_dir = ckpt.run_dir_for(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
+    # Shard files are a restart point within one run; a new run starts from the seed.
+    shutil.rmtree(run_dir / "ps", ignore_errors=True)
     spec = config_to_dict(cfg)
     s, workers = cfg.strategy, cfg.scaling.num_workers
     model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.train.seed)

@@ -16,7 +16,6 @@ restarts are retried by Ray (the actor is created with task retries), not lost.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from trainstack.checkpoint import save_atomically, write_text_atomically
+from trainstack.checkpoint import file_sha256, save_atomically, write_text_atomically
 from trainstack.compression import ErrorFeedback, Payload, build_compressor
 from trainstack.config import config_from_dict
 from trainstack.models import build_model
@@ -151,7 +150,7 @@ class ParameterServerShard:
         }
         path = self._path(self.version)
         save_atomically(state, path)
-        write_text_atomically(path.with_suffix(".sha256"), _sha256(path))
+        write_text_atomically(path.with_suffix(".sha256"), file_sha256(path))
         for old in sorted(self.dir.glob(f"shard_{self.index:03d}_v*.pt"))[:-2]:
             old.unlink(missing_ok=True)
             old.with_suffix(".sha256").unlink(missing_ok=True)
@@ -160,7 +159,7 @@ class ParameterServerShard:
         """Load the newest checkpoint of this shard that verifies; return its version."""
         for path in sorted(self.dir.glob(f"shard_{self.index:03d}_v*.pt"), reverse=True):
             digest = path.with_suffix(".sha256")
-            if not digest.exists() or digest.read_text().strip() != _sha256(path):
+            if not digest.exists() or digest.read_text().strip() != file_sha256(path):
                 continue
             state = torch.load(path, map_location="cpu", weights_only=True)
             with torch.no_grad():
@@ -196,14 +195,6 @@ class ParameterServerShard:
             "apply_s": self.apply_s,
             "numel": self.layout.numel,
         }
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def encode_push(
