@@ -115,3 +115,30 @@ def test_killed_worker_and_shard_are_restarted_and_the_run_finishes(
     assert 0 <= lost["updates_lost"] <= 5
     assert chaos["restarts"] == 2
     assert abs(chaos["final_loss"] - calm["final_loss"]) < 0.1 * calm["final_loss"]
+
+
+def test_compressed_pushes_send_fewer_bytes_and_still_learn(
+    ray_cluster: None, tmp_path: Path
+) -> None:
+    raw = spec(tmp_path, steps=30, consistency="async")
+    raw["compression"] = {"kind": "topk", "ratio": 0.05, "min_numel": 256}
+    summary = run_parameter_server(config_from_dict(raw))
+    assert summary["ps"]["compression_ratio"] > 4
+    assert summary["final_loss"] < math.log(16) - 0.3
+
+
+def test_ps_job_through_run_job_is_tracked_in_mlflow(ray_cluster: None, tmp_path: Path) -> None:
+    import mlflow
+
+    from trainstack.runtime.launcher import run_job
+
+    raw = spec(tmp_path, steps=10, consistency="ssp", staleness_bound=1)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    raw["tracking"] = {"backend": "mlflow", "uri": uri}
+    summary = run_job(config_from_dict(raw))
+    assert summary["tracking_error"] is None
+    run = mlflow.MlflowClient(tracking_uri=uri).get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["strategy.consistency"] == "ssp"
+    assert run.data.metrics["final/ps.staleness_max"] >= 0
+    assert "loss" in run.data.metrics  # progress records logged while it ran

@@ -86,10 +86,14 @@ class ClockBoard:
         self.gaps.append(gap)
         return gap
 
-    async def advance(self, worker: int, clock: int, loss: float) -> None:
+    async def advance(self, worker: int, clock: int, loss: float, versions: list[int]) -> None:
+        """`worker` pushed step `clock` - 1 with mean loss `loss`; the shards answered
+        with `versions`."""
         async with self.changed:
             self.rule.advance(worker, clock)
             self.losses.append((clock, loss))
+            for shard, version in enumerate(versions):
+                self.shard_versions[shard] = max(self.shard_versions.get(shard, 0), version)
             self.changed.notify_all()
 
     async def stop(self, worker: int) -> None:
@@ -102,9 +106,6 @@ class ClockBoard:
         """A worker (re)starts: count it and return the clock it resumes from."""
         self.worker_starts[worker] += 1
         return self.rule.clocks[worker]
-
-    def saw_shard_version(self, shard: int, version: int) -> None:
-        self.shard_versions[shard] = max(self.shard_versions.get(shard, 0), version)
 
     def shard_restored(self, shard: int, version: int) -> None:
         """A restarted shard resumed from `version`: what it had applied beyond is lost."""

@@ -79,9 +79,12 @@ class ParameterServerShard:
         flat = torch.cat([p.detach().reshape(-1) for p in self.params]).numpy()
         return self.version, flat
 
-    def push(self, worker: int, clock: int, pulled_version: int, grad: Push) -> int:
+    def push(
+        self, worker: int, clock: int, pulled_version: int, grad: Push, *, pull: bool = False
+    ) -> tuple[int, np.ndarray | None]:
         """Apply (or, under bsp, collect) `worker`'s gradient of step `clock`, computed from
-        this shard's parameters at `pulled_version`; return the version now."""
+        this shard's parameters at `pulled_version`; return the version now and, with
+        `pull`, the parameters too (a push and the next pull in one round trip)."""
         self._maybe_die()
         start = time.perf_counter()
         flat = self._decode(worker, clock, grad)
@@ -99,7 +102,7 @@ class ParameterServerShard:
         else:
             self._apply(flat, clock=clock, staleness=staleness)
         self.apply_s += time.perf_counter() - start
-        return self.version
+        return self.pull() if pull else (self.version, None)
 
     def _decode(self, worker: int, clock: int, grad: Push) -> torch.Tensor:
         if isinstance(grad, np.ndarray):
@@ -127,7 +130,7 @@ class ParameterServerShard:
             group["lr"] = lr
         offset = 0
         for p in self.params:
-            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+            p.grad = flat[offset : offset + p.numel()].view_as(p)  # `flat` is this shard's own
             offset += p.numel()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

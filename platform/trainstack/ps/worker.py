@@ -73,6 +73,9 @@ class ParameterServerWorker:
             cfg, rank=index, marker_dir=Path(run_dir) / "faults", on_fire=lambda record: None
         )
         self.versions = [0] * len(shards)
+        """Shard versions of the parameters this worker computes with."""
+        self.prefetched = False
+        """Whether the last push brought back the parameters for this step."""
         self.seconds = {"compute": 0.0, "push": 0.0, "pull": 0.0, "wait": 0.0, "slow": 0.0}
         self.bytes_sent = 0
         self.dense_bytes = 0
@@ -94,8 +97,10 @@ class ParameterServerWorker:
                 ray.get(self.board.wait_turn.remote(self.index))
                 self.seconds["wait"] += time.perf_counter() - t
             if pulled_at is None or self.clock - pulled_at >= s.pull_every:
-                self._pull()
+                if not self.prefetched:
+                    self._pull()
                 pulled_at = self.clock
+            self.prefetched = False
             t = time.perf_counter()
             loss = self._gradients()
             compute = time.perf_counter() - t
@@ -104,10 +109,13 @@ class ParameterServerWorker:
                 delay = (self.cfg.faults.slow_factor - 1.0) * compute
                 time.sleep(delay)
                 self.seconds["slow"] += delay
-            self._push()
+            # Async: a push whose next step pulls brings the parameters back with it.
+            pull_next = s.consistency == "async" and self.clock + 1 - pulled_at >= s.pull_every
+            versions = self._push(pull=pull_next)
             self.clock += 1
             self.steps_done += 1
-            self.board.advance.remote(self.index, self.clock, loss)  # ordered before the next wait
+            # Ordered before this worker's next wait_turn: calls from one caller keep order.
+            self.board.advance.remote(self.index, self.clock, loss, versions)
         ray.get(self.board.stop.remote(self.index))
         return {
             "worker": self.index,
@@ -120,13 +128,15 @@ class ParameterServerWorker:
 
     def _pull(self) -> None:
         t = time.perf_counter()
-        pulled = ray.get([shard.pull.remote() for shard in self.shards])
-        with torch.no_grad():
-            for i, (version, flat) in enumerate(pulled):
-                self.versions[i] = version
-                for name, value in self.layouts[i].unflatten(flat).items():
-                    self.params[name].copy_(value)
+        self._set_parameters(ray.get([shard.pull.remote() for shard in self.shards]))
         self.seconds["pull"] += time.perf_counter() - t
+
+    @torch.no_grad()
+    def _set_parameters(self, pulled: list[tuple[int, Any]]) -> None:
+        for i, (version, flat) in enumerate(pulled):
+            self.versions[i] = version
+            for name, value in self.layouts[i].unflatten(flat).items():
+                self.params[name].copy_(value)
 
     def _gradients(self) -> float:
         """Mean loss over this worker's micro-batches of the step; gradients left in .grad."""
@@ -139,7 +149,9 @@ class ParameterServerWorker:
             total += loss.item()
         return total / len(micro_batches)
 
-    def _push(self) -> None:
+    def _push(self, *, pull: bool) -> list[int]:
+        """Push this step's gradients to every shard and return their versions after it;
+        with `pull`, take the parameters they send back as the next step's."""
         t = time.perf_counter()
         grads = {name: p.grad for name, p in self.params.items() if p.grad is not None}
         refs = []
@@ -153,7 +165,12 @@ class ParameterServerWorker:
             )
             self.bytes_sent += nbytes
             self.dense_bytes += layout.numel * 4
-            refs.append(shard.push.remote(self.index, self.clock, self.versions[i], wire))
-        for i, version in enumerate(ray.get(refs)):
-            self.board.saw_shard_version.remote(i, version)
+            refs.append(
+                shard.push.remote(self.index, self.clock, self.versions[i], wire, pull=pull)
+            )
+        answers = ray.get(refs)
+        if pull:
+            self._set_parameters(answers)
+            self.prefetched = True
         self.seconds["push"] += time.perf_counter() - t
+        return [version for version, _ in answers]
