@@ -260,7 +260,7 @@ def _summary(
         "tokens_per_s": samples * cfg.model.block_size / train_s,
         "samples_per_s": samples / train_s,
         "mfu": None,
-        "peak_mem_bytes": 0,
+        "peak_mem_bytes": max(r["peak_mem_bytes"] for r in reports),
         "train_s": train_s,
         "params": model.num_params(),
         "restarts": sum(board_report["worker_restarts"]) + len(board_report["shard_losses"]),

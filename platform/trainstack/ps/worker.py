@@ -24,6 +24,7 @@ from trainstack.compression import ErrorFeedback, build_compressor
 from trainstack.config import config_from_dict
 from trainstack.data import build_corpus
 from trainstack.data.sharding import DataCursor, ShardedBatches
+from trainstack.metrics import peak_memory_bytes
 from trainstack.models import build_model
 from trainstack.ps.partition import ShardLayout
 from trainstack.ps.shard import encode_push
@@ -124,6 +125,7 @@ class ParameterServerWorker:
             "seconds": self.seconds,
             "bytes_sent": self.bytes_sent,
             "dense_bytes": self.dense_bytes,
+            "peak_mem_bytes": peak_memory_bytes(torch.device("cpu")),
         }
 
     def _pull(self) -> None:
