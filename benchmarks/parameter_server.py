@@ -249,8 +249,9 @@ class DataWorker:
         return self.seconds
 
 
-def measure_peer(*, straggler: bool, args: argparse.Namespace) -> dict[str, Any]:
-    raw = spec(
+def unstored_spec(args: argparse.Namespace) -> dict[str, Any]:
+    """The benchmark's async spec for code that stores nothing (the peer, the ceiling)."""
+    return spec(
         "unused",
         workers=args.workers,
         shards=args.shards,
@@ -259,6 +260,10 @@ def measure_peer(*, straggler: bool, args: argparse.Namespace) -> dict[str, Any]
         straggler=False,
         batch=args.batch,
     )
+
+
+def measure_peer(*, straggler: bool, args: argparse.Namespace) -> dict[str, Any]:
+    raw = unstored_spec(args)
     cfg = config_from_dict(raw)
     server: Any = ray.remote(ParameterServer).options(num_cpus=0).remote(raw)
     workers: list[Any] = [
@@ -327,15 +332,7 @@ def measure_peer(*, straggler: bool, args: argparse.Namespace) -> dict[str, Any]
 
 def compute_ms(args: argparse.Namespace) -> float:
     """One worker step's forward + backward, alone on one thread (no Ray), in ms."""
-    raw = spec(
-        "unused",
-        workers=args.workers,
-        shards=args.shards,
-        consistency="async",
-        bound=0,
-        straggler=False,
-        batch=args.batch,
-    )
+    raw = unstored_spec(args)
     cfg = config_from_dict(raw)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
