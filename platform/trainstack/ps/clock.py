@@ -14,6 +14,7 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(kw_only=True)
@@ -50,6 +51,27 @@ class StalenessBound:
     def advance(self, worker: int, clock: int) -> None:
         """`worker` has pushed `clock` steps."""
         self.clocks[worker] = max(self.clocks[worker], clock)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActorNames:
+    """The Ray names of one run's clock board and shards."""
+
+    prefix: str
+
+    @property
+    def board(self) -> str:
+        return f"{self.prefix}-board"
+
+    def shard(self, index: int) -> str:
+        return f"{self.prefix}-shard-{index}"
+
+    @staticmethod
+    def find(name: str) -> Any:
+        """The live actor of that name (after a restart too)."""
+        import ray
+
+        return ray.get_actor(name)
 
 
 def bound_for(consistency: str, staleness_bound: int) -> float:

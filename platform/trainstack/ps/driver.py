@@ -16,6 +16,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from trainstack.config import JobConfig, config_to_dict
 from trainstack.data import build_corpus
 from trainstack.data.sharding import eval_batches
 from trainstack.models import build_model
-from trainstack.ps.clock import ClockBoard, bound_for
+from trainstack.ps.clock import ActorNames, ClockBoard, bound_for
 from trainstack.ps.partition import ShardLayout, partition
 from trainstack.ps.shard import ParameterServerShard
 from trainstack.ps.worker import ParameterServerWorker
@@ -63,9 +64,12 @@ def run_parameter_server(
     model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.train.seed)
     layouts = partition(model, s.num_shards)
 
+    # Actors find each other by name: an actor handle among a restartable actor's
+    # constructor arguments lives in the object store, where a restart may not find it.
+    names = ActorNames(prefix=f"trainstack-ps-{uuid.uuid4().hex[:12]}")
     board: Any = (
         ray.remote(ClockBoard)
-        .options(num_cpus=0, max_concurrency=4 * workers + 8)
+        .options(name=names.board, num_cpus=0, max_concurrency=4 * workers + 8)
         .remote(
             workers=workers,
             bound=bound_for(s.consistency, s.staleness_bound),
@@ -74,13 +78,13 @@ def run_parameter_server(
     )
     shards: list[Any] = [
         ray.remote(ParameterServerShard)
-        .options(num_cpus=0, max_restarts=-1, max_task_retries=-1)
+        .options(name=names.shard(i), num_cpus=0, max_restarts=-1, max_task_retries=-1)
         .remote(
             index=i,
             layout=layout,
             spec=spec,
             checkpoint_dir=str(run_dir / "ps"),
-            board=board,
+            names=names,
         )
         for i, layout in enumerate(layouts)
     ]
@@ -94,9 +98,8 @@ def run_parameter_server(
         .remote(
             index=w,
             spec=spec,
-            shards=shards,
             layouts=layouts,
-            board=board,
+            names=names,
             run_dir=str(run_dir),
         )
         for w in range(workers)

@@ -29,6 +29,7 @@ from trainstack.checkpoint import file_sha256, save_atomically, write_text_atomi
 from trainstack.compression import ErrorFeedback, Payload, build_compressor
 from trainstack.config import config_from_dict
 from trainstack.models import build_model
+from trainstack.ps.clock import ActorNames
 from trainstack.ps.partition import ShardLayout
 from trainstack.runtime.optim import build_optimizer, lr_multiplier, scaled_lr
 
@@ -45,13 +46,14 @@ class ParameterServerShard:
         layout: ShardLayout,
         spec: dict[str, Any],
         checkpoint_dir: str,
-        board: Any,
+        names: ActorNames,
     ) -> None:
         self.cfg = cfg = config_from_dict(spec)
         self.index = index
         self.layout = layout
         self.workers = cfg.scaling.num_workers
-        self.board = board
+        self.board: Any = names.find(names.board)
+        board = self.board
         self.dir = Path(checkpoint_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         # The seed fixes the model's weights: build it and keep this shard's slice (passing

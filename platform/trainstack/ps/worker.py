@@ -15,7 +15,7 @@ stop. Its error-feedback residuals start again from zero.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, cast
 
 import ray
 import torch
@@ -26,6 +26,7 @@ from trainstack.data import build_corpus
 from trainstack.data.sharding import DataCursor, ShardedBatches
 from trainstack.metrics import peak_memory_bytes
 from trainstack.models import build_model
+from trainstack.ps.clock import ActorNames
 from trainstack.ps.partition import ShardLayout
 from trainstack.ps.shard import encode_push
 from trainstack.runtime.faults import FaultInjector
@@ -39,9 +40,8 @@ class ParameterServerWorker:
         *,
         index: int,
         spec: dict[str, Any],
-        shards: list[Any],
         layouts: list[ShardLayout],
-        board: Any,
+        names: ActorNames,
         run_dir: str,
     ) -> None:
         from pathlib import Path
@@ -49,10 +49,13 @@ class ParameterServerWorker:
         self.cfg = cfg = config_from_dict(spec)
         torch.set_num_threads(torch_threads(cfg))
         self.index = index
-        self.shards, self.layouts, self.board = shards, layouts, board
+        self.layouts = layouts
+        self.shards: list[Any] = [names.find(names.shard(i)) for i in range(len(layouts))]
+        self.board: Any = names.find(names.board)
+        board = self.board
         self.model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.train.seed)
         self.params = dict(self.model.named_parameters())
-        self.clock: int = ray.get(board.worker_started.remote(index))
+        self.clock: int = cast(int, ray.get(board.worker_started.remote(index)))
         self.batches = ShardedBatches(
             corpus=build_corpus(cfg.data),
             seq_len=cfg.model.block_size,
@@ -73,7 +76,7 @@ class ParameterServerWorker:
         self.faults = FaultInjector(
             cfg, rank=index, marker_dir=Path(run_dir) / "faults", on_fire=lambda record: None
         )
-        self.versions = [0] * len(shards)
+        self.versions = [0] * len(layouts)
         """Shard versions of the parameters this worker computes with."""
         self.prefetched = False
         """Whether the last push brought back the parameters for this step."""
