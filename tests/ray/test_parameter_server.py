@@ -102,7 +102,8 @@ def test_async_learns_and_rejects_what_is_staler_than_the_bound(
 def test_killed_worker_and_shard_are_restarted_and_the_run_finishes(
     ray_cluster: None, tmp_path: Path
 ) -> None:
-    common = {"steps": 40, "consistency": "async", "checkpoint_every_updates": 5}
+    # bsp: an unkilled run is deterministic, so the comparison measures the failures only.
+    common = {"steps": 40, "consistency": "bsp", "checkpoint_every_updates": 5}
     calm = run_parameter_server(config_from_dict(spec(tmp_path / "calm", **common)))
     faults = {"kill_at_steps": [15], "rank": 1, "kill_shard_at_updates": [33], "shard": 0}
     chaos = run_parameter_server(
@@ -114,7 +115,8 @@ def test_killed_worker_and_shard_are_restarted_and_the_run_finishes(
     assert lost["shard"] == 0 and lost["restored_version"] == 30
     assert 0 <= lost["updates_lost"] <= 5
     assert chaos["restarts"] == 2
-    assert abs(chaos["final_loss"] - calm["final_loss"]) < 0.1 * calm["final_loss"]
+    # Measured: 0.5% apart (two updates lost on one shard of two).
+    assert abs(chaos["final_loss"] - calm["final_loss"]) < 0.03 * calm["final_loss"]
 
 
 def test_compressed_pushes_send_fewer_bytes_and_still_learn(
