@@ -23,7 +23,6 @@ Schedules: `gpipe`, `1f1b`, `interleaved` (Interleaved1F1B), `zb_interleaved`
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from typing import Any, cast
@@ -50,6 +49,7 @@ from trainstack.strategies.base import (
 from trainstack.strategies.pipeline_probe import (
     ProbedStage,
     SavedActivationMeter,
+    first_replica_figures,
     simulated_bubble,
     single_stage_orders,
     torch_schedule_orders,
@@ -73,7 +73,6 @@ SCHEDULES: dict[str, tuple[Callable[..., schedules._PipelineSchedule], str]] = {
 """Schedule name -> (torch schedule class, stage placement style)."""
 
 _SINGLE_STAGE = ("gpipe", "1f1b")
-_TIED_INPUT, _TIED_OUTPUT = "tok_emb.weight", "lm_head.weight"
 
 
 class PipelineStrategy:
@@ -331,10 +330,7 @@ class PipelineStrategy:
             "step_s": self._step_s,
             "activation_peak_bytes": {s.stage_index: s.meter.peak_bytes for s in self.stages},
         }
-        everyone: list[Any] = [None] * self.ctx.world_size
-        dist.all_gather_object(everyone, mine)
-        replica0 = sorted((r for r in everyone if r["dp_rank"] == 0), key=lambda r: r["pp_rank"])
-        bubbles = [1.0 - r["busy_s"] / r["step_s"] if r["step_s"] else math.nan for r in replica0]
+        replica0, bubbles = first_replica_figures(mine, world_size=self.ctx.world_size)
         peaks: dict[int, int] = {}
         for r in replica0:
             peaks.update(r["activation_peak_bytes"])

@@ -69,6 +69,7 @@ from trainstack.strategies.base import (
 )
 from trainstack.strategies.pipeline_probe import (
     SavedActivationMeter,
+    first_replica_figures,
     simulated_bubble,
     single_stage_orders,
 )
@@ -460,10 +461,7 @@ class DeepSpeedPipelineStrategy:
             "step_s": self._batch_s - self.probe.seconds["end_of_batch"],
             "activation_peak_bytes": self.probe.meter.peak_bytes,
         }
-        everyone: list[Any] = [None] * self.ctx.world_size
-        dist.all_gather_object(everyone, mine)
-        replica0 = sorted((r for r in everyone if r["dp_rank"] == 0), key=lambda r: r["pp_rank"])
-        bubbles = [1.0 - r["busy_s"] / r["step_s"] if r["step_s"] else math.nan for r in replica0]
+        replica0, bubbles = first_replica_figures(mine, world_size=self.ctx.world_size)
         return {
             "pipeline": {
                 "engine": "deepspeed",

@@ -10,12 +10,14 @@ activation memory a schedule holds at once.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
 
@@ -77,6 +79,18 @@ class _Saved:
 
 def _unpack(saved: Any) -> torch.Tensor:
     return saved.tensor if isinstance(saved, _Saved) else saved
+
+
+def first_replica_figures(
+    mine: dict[str, Any], *, world_size: int
+) -> tuple[list[dict[str, Any]], list[float]]:
+    """Every rank's `mine` (with `pp_rank`, `dp_rank`, `busy_s`, `step_s`) gathered: replica
+    0's in pipeline order, and each one's bubble, 1 - busy/step. A collective."""
+    everyone: list[Any] = [None] * world_size
+    dist.all_gather_object(everyone, mine)
+    replica0 = sorted((r for r in everyone if r["dp_rank"] == 0), key=lambda r: r["pp_rank"])
+    bubbles = [1.0 - r["busy_s"] / r["step_s"] if r["step_s"] else math.nan for r in replica0]
+    return replica0, bubbles
 
 
 class ProbedStage(PipelineStage):
