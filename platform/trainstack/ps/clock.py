@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,10 +86,10 @@ class ClockBoard:
     def __init__(self, *, workers: int, bound: float, total_steps: int) -> None:
         self.rule = StalenessBound(workers=workers, bound=bound, total_steps=total_steps)
         self.changed = asyncio.Condition()
-        self.gaps: list[int] = []
+        self.gap_max = 0
         self.waits = 0
         self.wait_s = 0.0
-        self.losses: list[tuple[int, float]] = []
+        self.recent_losses: deque[float] = deque(maxlen=16)
         self.shard_versions: dict[int, int] = {}
         self.shard_losses: list[dict[str, int]] = []
         self.worker_starts = [0] * workers
@@ -105,7 +106,7 @@ class ClockBoard:
             self.waits += 1
             self.wait_s += time.perf_counter() - start
         gap = self.rule.gap(worker)
-        self.gaps.append(gap)
+        self.gap_max = max(self.gap_max, gap)
         return gap
 
     async def advance(self, worker: int, clock: int, loss: float, versions: list[int]) -> None:
@@ -113,7 +114,7 @@ class ClockBoard:
         with `versions`."""
         async with self.changed:
             self.rule.advance(worker, clock)
-            self.losses.append((clock, loss))
+            self.recent_losses.append(loss)
             for shard, version in enumerate(versions):
                 self.shard_versions[shard] = max(self.shard_versions.get(shard, 0), version)
             self.changed.notify_all()
@@ -140,13 +141,13 @@ class ClockBoard:
     def progress(self) -> dict[str, object]:
         return {
             "clocks": list(self.rule.clocks),
-            "recent_loss": [loss for _, loss in self.losses[-16:]],
+            "recent_loss": list(self.recent_losses),
         }
 
     def report(self) -> dict[str, object]:
         return {
             "clocks": list(self.rule.clocks),
-            "gaps": self.gaps,
+            "gap_max": self.gap_max,
             "waits": self.waits,
             "wait_s": self.wait_s,
             "worker_restarts": [max(0, n - 1) for n in self.worker_starts],

@@ -278,7 +278,7 @@ def _summary(
             "staleness_p50": float(np.percentile(staleness, 50)) if staleness.size else 0.0,
             "staleness_p99": float(np.percentile(staleness, 99)) if staleness.size else 0.0,
             "staleness_max": int(staleness.max()) if staleness.size else 0,
-            "clock_gap_max": max(board_report["gaps"], default=0),
+            "clock_gap_max": board_report["gap_max"],
             "waits": board_report["waits"],
             "wait_s": board_report["wait_s"],
             "worker_clocks": clocks,
