@@ -255,6 +255,9 @@ class TrackingConfig:
 class LogConfig:
     every_steps: int = 10
     """Log metrics every this many steps (>= 1)."""
+    eval_every_steps: int = 0
+    """Also log the held-out loss (`eval_loss`) every this many steps: 0 (only at the
+    end) or a multiple of `every_steps`. Sweeps use it to compare trials early."""
     progress: str = "auto"
     """Console progress: `auto` (bar on a TTY, else lines), `bar`, `lines`, `jsonl` or `quiet`."""
 
@@ -340,22 +343,33 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
     result = dict(raw)
     for override in overrides:
         key, sep, text = override.partition("=")
-        parts = [part.strip() for part in key.split(".")]
-        if not sep or not all(parts):
+        if not sep or not all(part.strip() for part in key.split(".")):
             raise ConfigError(f"--set {show(override)}: expected key.sub=value")
-        value = _parse_override_value(override, text)
-        node = result
-        for depth, part in enumerate(parts[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = {}
-            elif not isinstance(child, dict):
-                where = ".".join(parts[: depth + 1])
-                raise ConfigError(
-                    f"--set {show(override)}: {where!r} is {show(child)}, not a mapping"
-                )
-            node[part] = node = dict(child)
-        node[parts[-1]] = value
+        result = set_key(result, key, _parse_override_value(override, text), what="--set")
+    return result
+
+
+def set_key(raw: dict[str, Any], key: str, value: object, *, what: str) -> dict[str, Any]:
+    """Return a copy of `raw` with dotted `key` set to `value`; `what` names the source
+    of the key in errors (`--set`, a sweep file).
+
+    Mappings along the path are copied, so `raw` is never mutated; missing or null ones
+    are created.
+    """
+    parts = [part.strip() for part in key.split(".")]
+    if not all(parts):
+        raise ConfigError(f"{what} {show(key)}: expected a dotted key like train.steps")
+    result = dict(raw)
+    node = result
+    for depth, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = {}
+        elif not isinstance(child, dict):
+            where = ".".join(parts[: depth + 1])
+            raise ConfigError(f"{what} {show(key)}: {where!r} is {show(child)}, not a mapping")
+        node[part] = node = dict(child)
+    node[parts[-1]] = value
     return result
 
 

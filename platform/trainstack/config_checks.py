@@ -177,9 +177,16 @@ def validate(cfg: JobConfig) -> None:
     max_failures = cfg.failure.max_failures
     _require("failure.max_failures", max_failures >= -1, max_failures, ">= -1 (-1: unlimited)")
     _check_choice("tracking.backend", cfg.tracking.backend, TRACKING_BACKENDS)
-    _require("log.every_steps", cfg.log.every_steps >= 1, cfg.log.every_steps, ">= 1")
+    _validate_log(cfg)
     _check_choice("log.progress", cfg.log.progress, PROGRESS_MODES)
     _validate_cross_section(cfg)
+
+
+def _validate_log(cfg: JobConfig) -> None:
+    every, evals = cfg.log.every_steps, cfg.log.eval_every_steps
+    _require("log.every_steps", every >= 1, every, ">= 1")
+    allowed = f"0 (only at the end) or a multiple of log.every_steps={every}"
+    _require("log.eval_every_steps", evals >= 0 and evals % every == 0, evals, allowed)
 
 
 def _validate_name(name: str) -> None:

@@ -75,20 +75,31 @@ class TrackingRecord:
     run_id: str
 
 
-def start_tracking(cfg: JobConfig, *, run_dir: Path) -> Tracker:
+def start_tracking(
+    cfg: JobConfig, *, run_dir: Path, tags: Mapping[str, str] | None = None
+) -> Tracker:
     """`tracking.backend: none` -> a no-op tracker (mlflow is NOT imported); else an MLflow run.
 
-    Sets (only if unset) MLFLOW_HTTP_REQUEST_MAX_RETRIES=2 and MLFLOW_HTTP_REQUEST_TIMEOUT=10
-    in this process, so an unreachable tracking server fails in seconds, not minutes.
+    `tags` are added to a new run (a sweep nests its trials with `mlflow.parentRunId`).
     Never raises for a tracking failure: the returned tracker has `error` set instead.
     """
     if cfg.tracking.backend == "none":
         return NullTracker()
+    tracker = mlflow_tracker(cfg.tracking.uri)
+    tracker.guarded("start", lambda: tracker.start(cfg, run_dir=run_dir, tags=tags))
+    return tracker
+
+
+def mlflow_tracker(uri: str) -> MlflowTracker:
+    """An MlflowTracker for `uri` (resolved by `resolve_tracking_uri`); its run is opened
+    by `start` or `open`.
+
+    Sets (only if unset) MLFLOW_HTTP_REQUEST_MAX_RETRIES=2 and MLFLOW_HTTP_REQUEST_TIMEOUT=10
+    in this process, so an unreachable tracking server fails in seconds, not minutes.
+    """
     for name, value in HTTP_BOUNDS.items():
         os.environ.setdefault(name, value)
-    tracker = MlflowTracker(tracking_uri=resolve_tracking_uri(cfg.tracking.uri))
-    tracker.guarded("start", lambda: tracker.start(cfg, run_dir=run_dir))
-    return tracker
+    return MlflowTracker(tracking_uri=resolve_tracking_uri(uri))
 
 
 def resolve_tracking_uri(uri: str) -> str:
@@ -125,11 +136,39 @@ class MlflowTracker:
             print(warning, file=sys.stderr, flush=True)
             return None
 
-    def start(self, cfg: JobConfig, *, run_dir: Path) -> None:
+    def start(
+        self, cfg: JobConfig, *, run_dir: Path, tags: Mapping[str, str] | None = None
+    ) -> None:
+        """Open the job's run (see `open`) and log its spec."""
+        spec = config_to_dict(cfg)
+        self.open(
+            run_dir=run_dir,
+            experiment=cfg.tracking.experiment,
+            run_name=cfg.name,
+            tags={
+                "trainstack.strategy": cfg.strategy.kind,
+                "trainstack.world_size": str(cfg.scaling.num_workers),
+                **(tags or {}),
+            },
+            params=_flatten(spec),
+        )
+        self.client.log_text(self.run_id, yaml.safe_dump(spec, sort_keys=False), "spec.yaml")
+
+    def open(
+        self,
+        *,
+        run_dir: Path,
+        experiment: str,
+        run_name: str,
+        tags: Mapping[str, str],
+        params: Mapping[str, str],
+    ) -> None:
+        """Continue the run named in `<run_dir>/tracking.json` when it is still in this
+        store, else create one with `tags` and `params` and record it there."""
         import mlflow
 
         self.client = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
-        experiment_id = self._experiment_id(cfg.tracking.experiment)
+        experiment_id = self._experiment_id(experiment)
         record_path = run_dir / RECORD_FILE
         run = self._continuable_run(_read_record(record_path), experiment_id)
         if run is not None:
@@ -137,14 +176,18 @@ class MlflowTracker:
             self.client.update_run(self.run_id, status="RUNNING")
             resumed = int(run.data.tags.get("trainstack.resumed_count", "0")) + 1
             self.client.set_tag(self.run_id, "trainstack.resumed_count", str(resumed))
-        else:
-            self.run_id = self._new_run(cfg, experiment_id)
-            record = TrackingRecord(
-                tracking_uri=self.tracking_uri, experiment_id=experiment_id, run_id=self.run_id
-            )
-            _write_record(record_path, record)
-        spec = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
-        self.client.log_text(self.run_id, spec, "spec.yaml")
+            return
+        self.run_id = self._new_run(experiment_id, run_name=run_name, tags=tags, params=params)
+        record = TrackingRecord(
+            tracking_uri=self.tracking_uri, experiment_id=experiment_id, run_id=self.run_id
+        )
+        _write_record(record_path, record)
+
+    def log_file(self, path: Path) -> None:
+        """Attach a file to the run as an artifact (at the artifact root)."""
+        if self.run_id is not None:
+            run_id = self.run_id
+            self.guarded("log_file", lambda: self.client.log_artifact(run_id, str(path)))
 
     def log_metrics(self, metrics: Mapping[str, Any], *, step: int) -> None:
         values = {k: v for k, v in metrics.items() if k not in ("step", "steps")}
@@ -196,21 +239,24 @@ class MlflowTracker:
             return None
         return run if run.info.lifecycle_stage == "active" else None
 
-    def _new_run(self, cfg: JobConfig, experiment_id: str) -> str:
+    def _new_run(
+        self,
+        experiment_id: str,
+        *,
+        run_name: str,
+        tags: Mapping[str, str],
+        params: Mapping[str, str],
+    ) -> str:
         from mlflow.entities import Param
 
-        tags = {
-            "trainstack.strategy": cfg.strategy.kind,
-            "trainstack.world_size": str(cfg.scaling.num_workers),
-            "trainstack.version": trainstack.__version__,
-        }
+        all_tags = {"trainstack.version": trainstack.__version__, **tags}
         commit = _git_commit()
         if commit:
-            tags["trainstack.git_commit"] = commit
-        run = self.client.create_run(experiment_id, run_name=cfg.name, tags=tags)
-        params = [Param(k, v) for k, v in _flatten(config_to_dict(cfg)).items()]
-        for i in range(0, len(params), PARAMS_PER_BATCH):
-            self.client.log_batch(run.info.run_id, params=params[i : i + PARAMS_PER_BATCH])
+            all_tags["trainstack.git_commit"] = commit
+        run = self.client.create_run(experiment_id, run_name=run_name, tags=all_tags)
+        batch = [Param(k, v) for k, v in params.items()]
+        for i in range(0, len(batch), PARAMS_PER_BATCH):
+            self.client.log_batch(run.info.run_id, params=batch[i : i + PARAMS_PER_BATCH])
         return str(run.info.run_id)
 
 

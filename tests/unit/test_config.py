@@ -206,6 +206,11 @@ def test_lenient_scalar_coercion() -> None:
         ),
         ({"log": {"progress": "bars"}}, "log.progress='bars' is not one of auto, bar, lines"),
         ({"optim": {"warmup_steps": 200}}, "optim.warmup_steps=200 must be less than train.steps"),
+        (
+            {"log": {"every_steps": 10, "eval_every_steps": 15}},
+            "log.eval_every_steps=15 is out of range; allowed: 0 (only at the end) or a "
+            "multiple of log.every_steps=10",
+        ),
     ],
 )
 def test_out_of_range_value_is_rejected(raw: dict[str, object], expected: str) -> None:

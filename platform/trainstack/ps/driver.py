@@ -17,6 +17,7 @@ import statistics
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,10 @@ from trainstack.ps.worker import ParameterServerWorker
 from trainstack.runtime.local import DirectoryCheckpointStore
 from trainstack.runtime.progress import ProgressDisplay
 from trainstack.strategies.base import next_token_loss
+
+OWN_RESOURCES = "DEFAULT"
+"""The actors reserve their own resources, outside any placement group the driver runs
+in (a Tune trial's would otherwise capture them)."""
 
 
 class WorkerFailedError(RuntimeError):
@@ -69,7 +74,12 @@ def run_parameter_server(
     names = ActorNames(prefix=f"trainstack-ps-{uuid.uuid4().hex[:12]}")
     board: Any = (
         ray.remote(ClockBoard)
-        .options(name=names.board, num_cpus=0, max_concurrency=4 * workers + 8)
+        .options(
+            name=names.board,
+            num_cpus=0,
+            max_concurrency=4 * workers + 8,
+            scheduling_strategy=OWN_RESOURCES,
+        )
         .remote(
             workers=workers,
             bound=bound_for(s.consistency, s.staleness_bound),
@@ -78,7 +88,13 @@ def run_parameter_server(
     )
     shards: list[Any] = [
         ray.remote(ParameterServerShard)
-        .options(name=names.shard(i), num_cpus=0, max_restarts=-1, max_task_retries=-1)
+        .options(
+            name=names.shard(i),
+            num_cpus=0,
+            max_restarts=-1,
+            max_task_retries=-1,
+            scheduling_strategy=OWN_RESOURCES,
+        )
         .remote(
             index=i,
             layout=layout,
@@ -92,6 +108,7 @@ def run_parameter_server(
         ray.remote(ParameterServerWorker)
         .options(
             num_cpus=cfg.scaling.cpus_per_worker,
+            scheduling_strategy=OWN_RESOURCES,
             max_restarts=cfg.failure.max_failures,
             max_task_retries=-1,  # `run` starts again on the restarted worker
         )
@@ -112,8 +129,21 @@ def run_parameter_server(
         )
     ray.get([actor.__ray_ready__.remote() for actor in [*worker_actors, *shards]])
     deadline = time.time() + time_budget_s if time_budget_s is not None else None
+
+    def held_out_now() -> float | None:
+        """The held-out loss of the shards' current parameters."""
+        pulled = ray.get([shard.pull.remote() for shard in shards])
+        _load_final(model, layouts, [flat for _, flat in pulled])
+        return _held_out_loss(cfg, model)
+
     reports = _run_workers(
-        cfg, worker_actors, board, deadline=deadline, display=display, on_progress=on_progress
+        cfg,
+        worker_actors,
+        board,
+        deadline=deadline,
+        display=display,
+        on_progress=on_progress,
+        evaluate=held_out_now,
     )
     train_s = max(r["wall_s"] for r in reports)  # from the workers' first step: no start-up
 
@@ -145,6 +175,7 @@ def _run_workers(
     deadline: float | None,
     display: ProgressDisplay | None,
     on_progress: Any,
+    evaluate: Callable[[], float | None],
 ) -> list[dict[str, Any]]:
     """Wait for every worker's `run`. Ray restarts a worker that dies (up to
     `failure.max_failures` times) and runs `run` again on it (task retries); a worker
@@ -165,7 +196,7 @@ def _run_workers(
                     f"failure.max_failures={cfg.failure.max_failures} allows; last error: "
                     f"{str(err).strip().splitlines()[0]}"
                 ) from err
-        last_shown = _show_progress(cfg, board, start, last_shown, display, on_progress)
+        last_shown = _show_progress(cfg, board, start, last_shown, display, on_progress, evaluate)
     return reports
 
 
@@ -176,8 +207,10 @@ def _show_progress(
     last_shown: int,
     display: ProgressDisplay | None,
     on_progress: Any,
+    evaluate: Callable[[], float | None],
 ) -> int:
-    """Show the slowest worker's clock as the step when it crosses a log boundary."""
+    """Show the slowest worker's clock as the step when it crosses a log boundary, with
+    the held-out loss when it also crosses an eval boundary (`log.eval_every_steps`)."""
     progress = ray.get(board.progress.remote())
     step = min(progress["clocks"])
     every = cfg.log.every_steps
@@ -197,6 +230,9 @@ def _show_progress(
         "mfu": None,
         "elapsed_s": elapsed,
     }
+    evals = cfg.log.eval_every_steps
+    if evals and step // evals > last_shown // evals and step < cfg.train.steps:
+        record["eval_loss"] = evaluate()
     if display is not None and step > 0:
         display.update(record)
     if on_progress is not None:

@@ -38,16 +38,16 @@ class RunFailedError(RuntimeError):
     """The worker group failed for good (after any allowed restarts)."""
 
 
-def connect(address: str | None) -> bool:
+def connect(address: str | None, *, log_to_driver: bool = True) -> bool:
     """Connect to Ray; return True when this call started an embedded local instance."""
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=log_to_driver)
         return False
     # "local": a new instance even when a `ray start` cluster runs on this machine.
-    ray.init(address="local", log_to_driver=True)
+    ray.init(address="local", log_to_driver=log_to_driver)
     return True
 
 
@@ -189,10 +189,12 @@ def run_job(
     display: ProgressDisplay | None = None,
     resume_from: Path | None = None,
     on_record: Callable[[dict[str, Any]], None] | None = None,
+    tracking_tags: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Train `cfg` on a Ray worker group; return the summary.
 
-    `on_record` sees every log record and run event as the driver receives it.
+    `on_record` sees every log record and run event as the driver receives it;
+    `tracking_tags` go on a new MLflow run (a sweep's trials name their parent run).
 
     Raises CheckpointError before anything starts when the checkpoints to resume from
     do not verify, and RunFailedError when the worker group fails for good.
@@ -210,7 +212,7 @@ def run_job(
         return summary
 
     started_local = connect(address)
-    tracker = start_tracking(cfg, run_dir=run_dir)
+    tracker = start_tracking(cfg, run_dir=run_dir, tags=tracking_tags)
     if cfg.strategy.kind == "ps":
         return _run_parameter_server(
             cfg, tracker=tracker, display=display, on_record=on_record, started_local=started_local

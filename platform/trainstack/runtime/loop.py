@@ -128,6 +128,21 @@ def train(
             metrics=metrics,
         )
 
+    def held_out_loss() -> float | None:
+        """Mean loss on the held-out samples (a collective); None without them."""
+        if cfg.data.eval_samples == 0:
+            return None
+        held_out = eval_batches(
+            corpus,
+            count=cfg.data.eval_samples,
+            seq_len=seq_len,
+            micro_batch_size=cfg.train.micro_batch_size,
+            rank=ctx.rank % replicas,
+            world_size=replicas,
+        )
+        loss_sum, tokens = strategy.eval_loss(held_out)
+        return loss_sum / tokens
+
     if restored is not None and start_step >= cfg.train.steps:
         summary = dict(restored.manifest["metrics"])  # the run had finished: report it again
         save(start_step, summary)
@@ -160,6 +175,9 @@ def train(
                 "elapsed_s": time.perf_counter() - run_start,
                 **_comm_metrics(out),
             }
+            evals = cfg.log.eval_every_steps
+            if evals and done % evals == 0 and done < cfg.train.steps:
+                record["eval_loss"] = held_out_loss()
             if ctx.rank == 0:
                 emit(record)
         every = cfg.checkpoint.every_steps
@@ -167,19 +185,7 @@ def train(
             save(done, record or {"step": done})
     train_s = time.perf_counter() - run_start
 
-    eval_loss = None
-    if cfg.data.eval_samples > 0:
-        held_out = eval_batches(
-            corpus,
-            count=cfg.data.eval_samples,
-            seq_len=seq_len,
-            micro_batch_size=cfg.train.micro_batch_size,
-            rank=ctx.rank % replicas,
-            world_size=replicas,
-        )
-        loss_sum, tokens = strategy.eval_loss(held_out)
-        eval_loss = loss_sum / tokens
-
+    eval_loss = held_out_loss()
     steady = meter.steady_state()
     summary = {
         "final_loss": eval_loss if eval_loss is not None else train_loss,
