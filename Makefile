@@ -29,8 +29,8 @@ demo: $(STAMP)
 		--set checkpoint.storage_path=.cache/demo_runs --summary-json .cache/demo_summary.json
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check platform jobs tests benchmarks
-	$(VENV)/bin/ruff format --check platform jobs tests benchmarks
+	$(VENV)/bin/ruff check platform jobs tune tests benchmarks
+	$(VENV)/bin/ruff format --check platform jobs tune tests benchmarks
 	$(VENV)/bin/mypy platform/trainstack
 
 test: lint

@@ -1,6 +1,8 @@
 """`trainstack` command line.
 
 trainstack run jobs/configs/demo.yaml --set train.steps=50 --summary-json out.json
+trainstack sweep tune/demo_sweep.yaml [--resume]
+trainstack report runs/demo
 """
 
 from __future__ import annotations
@@ -96,6 +98,57 @@ def _train(
     return 0
 
 
+def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments shared by `trainstack sweep` and `tune/sweep.py`."""
+    parser.add_argument("sweep", help="sweep file (YAML), e.g. tune/demo_sweep.yaml")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a job-spec key in every trial, e.g. --set train.steps=100 (repeatable)",
+    )
+    parser.add_argument(
+        "--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS, else local)"
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted sweep (finished trials are not rerun), or report a "
+        "finished one again",
+    )
+    parser.add_argument(
+        "--storage-path", default=None, help="where the sweep's state, runs and results go"
+    )
+    parser.add_argument(
+        "--progress",
+        choices=("lines", "jsonl", "quiet"),
+        default="lines",
+        help="a line per trial event (default), JSON lines of trial reports, or quiet",
+    )
+
+
+def sweep_command(args: argparse.Namespace) -> int:
+    """Run a sweep file on Ray Tune; 0 when it ends with a best trial, 130 when interrupted."""
+    import dataclasses
+
+    from trainstack.sweep.spec import load_sweep
+
+    try:
+        sweep = load_sweep(args.sweep, args.overrides)
+        if args.storage_path:
+            sweep = dataclasses.replace(sweep, storage_path=args.storage_path)
+        from trainstack.sweep.runner import run_sweep  # imports Ray Tune: keep it lazy
+
+        outcome = run_sweep(sweep, address=args.address, resume=args.resume, progress=args.progress)
+    except ConfigError as err:
+        return _error(str(err), code=2)
+    if outcome.interrupted:
+        return 130
+    return 0 if outcome.best is not None else 1
+
+
 def export_command(args: argparse.Namespace) -> int:
     """Verify a checkpoint and write its consolidated weights (`model.pt`) to --out."""
     from trainstack.checkpoint import CheckpointError, resolve, save_atomically
@@ -124,12 +177,20 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="train a job spec on Ray")
     add_run_arguments(run, config_flag=False)
     run.set_defaults(handler=run_command)
+    sweep = commands.add_parser(
+        "sweep", help="search job-spec settings with Ray Tune (ASHA, MLflow, Pareto plot)"
+    )
+    add_sweep_arguments(sweep)
+    sweep.set_defaults(handler=sweep_command)
     export = commands.add_parser(
         "export", help="write a checkpoint's full fp32 weights as one state dict"
     )
     export.add_argument("checkpoint", help="a checkpoint directory, or a run directory")
     export.add_argument("--out", required=True, help="where to write the state dict (.pt)")
     export.set_defaults(handler=export_command)
+    from trainstack.report import add_report_parser
+
+    add_report_parser(commands)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""Tune sweeps over job-spec keys: `trainstack sweep tune/<sweep>.yaml`."""

@@ -1,0 +1,177 @@
+"""A finished sweep's results: one row per trial, the table (console and CSV), the
+Pareto front of final loss against tokens/s and its plot, and the best trial."""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainstack.sweep.spec import ObjectiveConfig
+
+COMPLETED, STOPPED, FAILED, UNFINISHED = "completed", "stopped early", "failed", "unfinished"
+
+
+@dataclass(kw_only=True)
+class TrialRow:
+    trial_id: str
+    label: str
+    """The trial's space values, short: `ddp, topk` or `zero, stage=2, lr=0.003`."""
+    overrides: dict[str, Any]
+    status: str
+    """completed, stopped early (by ASHA), failed (after its retries) or unfinished."""
+    step: int | None = None
+    tokens: int | None = None
+    eval_loss: float = math.nan
+    """Held-out loss at the trial's last report (final for completed trials)."""
+    tokens_per_s: float = math.nan
+    """Completed: steady-state tokens/s of the run; else the last logged window."""
+    elapsed_s: float = math.nan
+    """Seconds of training to the last report (start-up excluded)."""
+    error: str = ""
+
+
+def label_for(overrides: Mapping[str, Any]) -> str:
+    """`{"strategy.kind": "zero", "strategy.stage": 2}` -> `zero, stage=2`."""
+    parts = []
+    for key, value in overrides.items():
+        shown = f"{value:.3g}" if isinstance(value, float) else str(value)
+        parts.append(shown if key.endswith(".kind") else f"{key.rsplit('.', 1)[-1]}={shown}")
+    return ", ".join(parts) or "base"
+
+
+def pareto_front(rows: Sequence[TrialRow]) -> list[TrialRow]:
+    """Completed trials no other completed trial beats on both loss and tokens/s,
+    fastest first."""
+    done = [r for r in rows if r.status == COMPLETED and _finite(r.eval_loss, r.tokens_per_s)]
+    front = [
+        r
+        for r in done
+        if not any(
+            o.eval_loss <= r.eval_loss
+            and o.tokens_per_s >= r.tokens_per_s
+            and (o.eval_loss < r.eval_loss or o.tokens_per_s > r.tokens_per_s)
+            for o in done
+        )
+    ]
+    return sorted(front, key=lambda r: -r.tokens_per_s)
+
+
+def best_trial(rows: Sequence[TrialRow], objective: ObjectiveConfig) -> TrialRow | None:
+    """The completed trial with the lowest final held-out loss, or (metric tokens_per_s)
+    the fastest one whose loss is within `loss_bound`."""
+    done = [r for r in rows if r.status == COMPLETED]
+    if objective.metric == "eval_loss":
+        done = [r for r in done if _finite(r.eval_loss)]
+        return min(done, key=lambda r: r.eval_loss, default=None)
+    bound = objective.loss_bound or math.inf
+    done = [r for r in done if _finite(r.tokens_per_s) and r.eval_loss <= bound]
+    return max(done, key=lambda r: r.tokens_per_s, default=None)
+
+
+COLUMNS = ("trial", "setting", "status", "step", "tokens", "eval_loss", "tokens_per_s", "train_s")
+
+
+def table_rows(rows: Sequence[TrialRow]) -> list[list[str]]:
+    return [
+        [
+            r.trial_id,
+            r.label,
+            r.status,
+            "" if r.step is None else str(r.step),
+            "" if r.tokens is None else str(r.tokens),
+            _fmt(r.eval_loss, ".4f"),
+            _fmt(r.tokens_per_s, ".0f"),
+            _fmt(r.elapsed_s, ".1f"),
+        ]
+        for r in rows
+    ]
+
+
+def format_table(rows: Sequence[TrialRow], *, best: TrialRow | None) -> str:
+    """An aligned text table; the best trial marked with `*`."""
+    body = table_rows(rows)
+    for line, row in zip(body, rows, strict=True):
+        line[0] = ("* " if row is best else "  ") + line[0]
+    header = ["  trial", *COLUMNS[1:]]
+    widths = [max(len(x) for x in col) for col in zip(header, *body, strict=True)]
+    lines = [
+        "  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)).rstrip()
+        for line in [header, *body]
+    ]
+    return "\n".join(lines)
+
+
+def write_csv(rows: Sequence[TrialRow], path: Path) -> None:
+    from trainstack.checkpoint import write_text_atomically
+
+    keys = sorted({k for r in rows for k in r.overrides})
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow([*COLUMNS, *keys, "error"])
+    for r, line in zip(rows, table_rows(rows), strict=True):
+        writer.writerow([*line, *(r.overrides.get(k, "") for k in keys), r.error])
+    write_text_atomically(path, out.getvalue())
+
+
+def plot_pareto(rows: Sequence[TrialRow], path: Path, *, title: str) -> None:
+    """Final held-out loss against tokens/s for every completed trial, each labelled,
+    with the Pareto front drawn through the ones nothing beats."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in rows if r.status == COMPLETED and _finite(r.eval_loss, r.tokens_per_s)]
+    front = pareto_front(rows)
+    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=120)
+    ax.scatter(
+        [r.tokens_per_s / 1e3 for r in done],
+        [r.eval_loss for r in done],
+        s=40,
+        color="tab:blue",
+        zorder=3,
+        label="completed trial",
+    )
+    ax.plot(
+        [r.tokens_per_s / 1e3 for r in front],
+        [r.eval_loss for r in front],
+        color="tab:orange",
+        marker="o",
+        markerfacecolor="none",
+        markersize=11,
+        zorder=2,
+        label="Pareto front",
+    )
+    for r in done:
+        ax.annotate(
+            r.label,
+            (r.tokens_per_s / 1e3, r.eval_loss),
+            textcoords="offset points",
+            xytext=(6, 5),
+            fontsize=8,
+        )
+    stopped = sum(r.status == STOPPED for r in rows)
+    failed = sum(r.status == FAILED for r in rows)
+    note = f"{len(done)} completed, {stopped} stopped early by ASHA, {failed} failed (not shown)"
+    ax.set_title(f"{title}\n{note}", fontsize=10)
+    ax.set_xlabel("throughput (thousand tokens/s, steady state)")
+    ax.set_ylabel("final held-out loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _fmt(value: float, spec: str) -> str:
+    return format(value, spec) if _finite(value) else ""
+
+
+def _finite(*values: Any) -> bool:
+    return all(isinstance(v, int | float) and math.isfinite(v) for v in values)

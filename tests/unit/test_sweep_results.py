@@ -1,0 +1,89 @@
+"""A sweep's results: Pareto front, best trial under each objective, table, CSV, plot."""
+
+import csv
+import math
+from pathlib import Path
+
+from trainstack.sweep.results import (
+    COMPLETED,
+    FAILED,
+    STOPPED,
+    TrialRow,
+    best_trial,
+    format_table,
+    label_for,
+    pareto_front,
+    plot_pareto,
+    write_csv,
+)
+from trainstack.sweep.spec import ObjectiveConfig
+
+
+def row(trial_id: str, loss: float, tps: float, status: str = COMPLETED) -> TrialRow:
+    overrides = {"strategy.kind": trial_id.split("-")[0], "optim.lr": 0.003}
+    return TrialRow(
+        trial_id=trial_id,
+        label=label_for(overrides),
+        overrides=overrides,
+        status=status,
+        step=100,
+        tokens=6400,
+        eval_loss=loss,
+        tokens_per_s=tps,
+        elapsed_s=12.5,
+    )
+
+
+ROWS = [
+    row("ddp-a", 2.30, 90_000),  # front: fastest
+    row("zero-b", 2.28, 60_000),  # front: lowest loss
+    row("ps-c", 2.35, 70_000),  # beaten by ddp-a on both
+    row("ddp-d", 2.10, 95_000, STOPPED),  # stopped early: its loss is not final
+    row("ps-e", math.nan, math.nan, FAILED),
+]
+
+
+def test_label_is_short_and_names_non_kind_keys() -> None:
+    assert label_for({"strategy.kind": "zero", "strategy.stage": 2, "optim.lr": 0.00312}) == (
+        "zero, stage=2, lr=0.00312"
+    )
+
+
+def test_pareto_front_keeps_completed_trials_nothing_beats_on_both_axes() -> None:
+    assert [r.trial_id for r in pareto_front(ROWS)] == ["ddp-a", "zero-b"]
+
+
+def test_best_trial_by_loss_and_by_throughput_within_a_loss_bound() -> None:
+    assert best_trial(ROWS, ObjectiveConfig(metric="eval_loss")).trial_id == "zero-b"
+    fastest = ObjectiveConfig(metric="tokens_per_s")
+    assert best_trial(ROWS, fastest).trial_id == "ddp-a"
+    bounded = ObjectiveConfig(metric="tokens_per_s", loss_bound=2.29)
+    assert best_trial(ROWS, bounded).trial_id == "zero-b"
+    assert best_trial(ROWS, ObjectiveConfig(metric="tokens_per_s", loss_bound=2.0)) is None
+
+
+def test_table_marks_the_best_and_csv_round_trips(tmp_path: Path) -> None:
+    best = best_trial(ROWS, ObjectiveConfig())
+    lines = format_table(ROWS, best=best).splitlines()
+    assert lines[0].split() == [
+        "trial",
+        "setting",
+        "status",
+        "step",
+        "tokens",
+        "eval_loss",
+        "tokens_per_s",
+        "train_s",
+    ]
+    assert lines[2].startswith("* zero-b") and "2.2800" in lines[2] and "60000" in lines[2]
+    write_csv(ROWS, tmp_path / "results.csv")
+    read = list(csv.DictReader((tmp_path / "results.csv").open()))
+    assert [r["status"] for r in read] == [r.status for r in ROWS]
+    assert read[1]["eval_loss"] == "2.2800" and read[1]["strategy.kind"] == "zero"
+    assert read[4]["eval_loss"] == ""  # a failed trial has no figures
+
+
+def test_pareto_plot_is_a_png(tmp_path: Path) -> None:
+    path = tmp_path / "pareto.png"
+    plot_pareto(ROWS, path, title="sweep t")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
