@@ -507,6 +507,11 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
     _require("checkpoint.keep", c.keep >= 1, c.keep, ">= 1")
     if not c.storage_path.strip():
         raise ConfigError(f"checkpoint.storage_path={c.storage_path!r} is empty; allowed: a path")
+    if "://" in c.storage_path:
+        raise ConfigError(
+            f"checkpoint.storage_path={show(c.storage_path)} is a URI; allowed: a filesystem "
+            "path (on a cluster, one every node mounts, e.g. NFS)"
+        )
     _check_choice("checkpoint.on_corrupt", c.on_corrupt, CORRUPT_CHECKPOINT_ACTIONS)
 
 

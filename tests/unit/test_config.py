@@ -201,6 +201,10 @@ def test_lenient_scalar_coercion() -> None:
         ({"name": "a" * 101}, "name='aaaa"),
         ({"checkpoint": {"storage_path": ""}}, "checkpoint.storage_path='' is empty"),
         (
+            {"checkpoint": {"storage_path": "s3://b/runs"}},
+            "checkpoint.storage_path='s3://b/runs' is",
+        ),
+        (
             {"strategy": {"kind": "dpp"}},
             "strategy.kind='dpp' is not one of ddp, zero, pipeline, ps; did you mean 'ddp'?",
         ),
