@@ -1,5 +1,7 @@
-"""`ray job submit` of jobs/train.py against a `ray start --head` cluster on 127.0.0.1."""
+"""`ray job submit` of jobs/train.py and tune/sweep.py against a `ray start --head`
+cluster on 127.0.0.1 (one cluster for the module)."""
 
+import csv
 import json
 import secrets
 from collections.abc import Iterator
@@ -14,13 +16,13 @@ from user_shell import BIN, run
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def auth() -> dict[str, str]:
     """Token authentication, as a secured cluster runs: every command carries the token."""
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def head_node(auth: dict[str, str]) -> Iterator[str]:
     """A one-node Ray cluster on loopback; yields the job API address. Stopped by `ray stop`."""
     gcs_port, dashboard_port = free_port(), free_port()
@@ -83,3 +85,44 @@ def test_job_submit_trains_demo_on_head_node(
     summary = json.loads(summary_path.read_text())
     assert summary["steps"] == 30 and summary["world_size"] == 2
     assert summary["final_loss"] < summary["entropy_floor"] * 2
+
+
+def test_job_submit_runs_a_sweep_on_head_node(
+    head_node: str, auth: dict[str, str], tmp_path: Path
+) -> None:
+    base = {
+        "name": "submitted",
+        "model": {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32},
+        "data": {"vocab_size": 16, "order": 1, "eval_samples": 32},
+        "train": {"steps": 20, "global_batch_size": 16, "micro_batch_size": 8},
+        "optim": {"warmup_steps": 2, "grad_clip": 0.0},
+        "strategy": {"kind": "ps"},
+        "compression": {"ratio": 0.05, "min_numel": 0},
+        "log": {"every_steps": 5},
+        "checkpoint": {"storage_path": str(tmp_path / "runs")},
+        "tracking": {"backend": "mlflow", "uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
+    }
+    (tmp_path / "base.yaml").write_text(json.dumps(base))
+    sweep = {
+        "name": "submitted-sweep",
+        "base": "base.yaml",
+        "space": {"compression.kind": ["none", "topk"]},
+        "search": {"algorithm": "grid"},
+        "scheduler": {"kind": "fifo"},
+    }
+    (tmp_path / "sweep.yaml").write_text(json.dumps(sweep))
+    proc = run(
+        [
+            *(str(BIN / "ray"), "job", "submit", "--address", head_node, "--working-dir", "."),
+            *("--", "python", "tune/sweep.py", str(tmp_path / "sweep.yaml")),
+            *("--storage-path", str(tmp_path / "sweeps")),
+        ],
+        timeout=420,
+        **auth,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = tmp_path / "sweeps" / "submitted-sweep"
+    rows = list(csv.DictReader((results / "results.csv").open()))
+    assert sorted(r["compression.kind"] for r in rows) == ["none", "topk"]
+    assert all(r["status"] == "completed" and float(r["eval_loss"]) > 0 for r in rows)
+    assert (results / "best.yaml").exists()

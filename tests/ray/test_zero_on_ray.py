@@ -1,4 +1,6 @@
-"""ZeRO on Ray: every stage survives a killed worker, and its checkpoint exports."""
+"""ZeRO on Ray: a stage that shards optimizer state (1) and one that shards parameters
+(3) survive a killed worker, and their checkpoints export. Stage 2 writes stage 1's
+checkpoint layout; its bitwise resume after a kill is tested in tests/dist/test_zero.py."""
 
 from pathlib import Path
 
@@ -13,8 +15,8 @@ from trainstack.runtime.launcher import run_job
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_each_zero_stage_recovers_from_a_killed_worker(
+@pytest.mark.parametrize("stage", [1, 3])
+def test_zero_stage_recovers_from_a_killed_worker(
     ray_cluster: None, tmp_path: Path, stage: int
 ) -> None:
     cfg = config_from_dict(
