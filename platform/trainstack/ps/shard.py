@@ -32,6 +32,7 @@ from trainstack.models import build_model
 from trainstack.ps.clock import ActorNames
 from trainstack.ps.partition import ShardLayout
 from trainstack.runtime.optim import build_optimizer, lr_multiplier, scaled_lr
+from trainstack.telemetry import ShardTelemetry
 
 Push = np.ndarray | list[tuple[tuple[int, ...], list[np.ndarray]]]
 """A gradient on the wire: the shard's flat float32 gradient, or with compression one
@@ -70,6 +71,8 @@ class ParameterServerShard:
         self.bytes_received = 0
         self.apply_s = 0.0
         self.compressors: dict[int, Any] = {}
+        self.telemetry = ShardTelemetry.for_shard(cfg, index=index, run_dir=self.dir.parent)
+        self.telemetry.record_actor_start("ps_shard")
         restored = self._restore()
         if restored is not None:
             board.shard_restored.remote(index, restored)
@@ -82,11 +85,19 @@ class ParameterServerShard:
         return self.version, flat
 
     def push(
-        self, worker: int, clock: int, pulled_version: int, grad: Push, *, pull: bool = False
+        self,
+        worker: int,
+        clock: int,
+        pulled_version: int,
+        grad: Push,
+        *,
+        pull: bool = False,
+        sent_at: float | None = None,
     ) -> tuple[int, np.ndarray | None]:
         """Apply (or, under bsp, collect) `worker`'s gradient of step `clock`, computed from
         this shard's parameters at `pulled_version`; return the version now and, with
-        `pull`, the parameters too (a push and the next pull in one round trip)."""
+        `pull`, the parameters too (a push and the next pull in one round trip).
+        `sent_at`, the worker's `time.time()` at sending, measures the shard's queue."""
         self._maybe_die()
         start = time.perf_counter()
         flat = self._decode(worker, clock, grad)
@@ -104,6 +115,7 @@ class ParameterServerShard:
         else:
             self._apply(flat, clock=clock, staleness=staleness)
         self.apply_s += time.perf_counter() - start
+        self.telemetry.record_push(staleness=staleness, sent_at=sent_at)
         return self.pull() if pull else (self.version, None)
 
     def _decode(self, worker: int, clock: int, grad: Push) -> torch.Tensor:
@@ -137,6 +149,7 @@ class ParameterServerShard:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
+        self.telemetry.record_update()
         if self.version % s.checkpoint_every_updates == 0:
             self._save()
 

@@ -32,6 +32,7 @@ from trainstack.ps.shard import encode_push
 from trainstack.runtime.faults import FaultInjector
 from trainstack.runtime.loop import torch_threads
 from trainstack.strategies.base import next_token_loss
+from trainstack.telemetry import PsWorkerTelemetry
 
 
 class ParameterServerWorker:
@@ -84,6 +85,8 @@ class ParameterServerWorker:
         self.bytes_sent = 0
         self.dense_bytes = 0
         self.steps_done = 0
+        self.telemetry = PsWorkerTelemetry.for_worker(cfg, index=index, run_dir=Path(run_dir))
+        self.telemetry.record_actor_start("ps_worker")
         torch.manual_seed(cfg.train.seed + 1 + index)
 
     def run(self, deadline: float | None = None) -> dict[str, Any]:
@@ -95,6 +98,7 @@ class ParameterServerWorker:
         while self.clock < self.cfg.train.steps:
             if deadline is not None and time.time() >= deadline:
                 break
+            step_start = time.perf_counter()
             self.faults.before_step(self.clock + 1)
             if s.consistency != "async":
                 t = time.perf_counter()
@@ -120,6 +124,13 @@ class ParameterServerWorker:
             self.steps_done += 1
             # Ordered before this worker's next wait_turn: calls from one caller keep order.
             self.board.advance.remote(self.index, self.clock, loss, versions)
+            self.telemetry.record_push_step(
+                loss=loss,
+                step_s=time.perf_counter() - step_start,
+                comm_s_total=self.seconds["push"] + self.seconds["pull"],
+                bytes_sent_total=self.bytes_sent,
+                dense_bytes_total=self.dense_bytes,
+            )
         ray.get(self.board.stop.remote(self.index))
         return {
             "worker": self.index,
@@ -171,7 +182,9 @@ class ParameterServerWorker:
             self.bytes_sent += nbytes
             self.dense_bytes += layout.numel * 4
             refs.append(
-                shard.push.remote(self.index, self.clock, self.versions[i], wire, pull=pull)
+                shard.push.remote(
+                    self.index, self.clock, self.versions[i], wire, pull=pull, sent_at=time.time()
+                )
             )
         answers = ray.get(refs)
         if pull:

@@ -31,6 +31,7 @@ from trainstack.config import JobConfig, config_from_dict, config_to_dict
 from trainstack.runtime.loop import train
 from trainstack.runtime.progress import ProgressDisplay
 from trainstack.strategies import WorkerContext
+from trainstack.telemetry import RunTelemetry
 from trainstack.tracking import Tracker, start_tracking
 
 
@@ -129,6 +130,7 @@ class RunFollower:
     display: ProgressDisplay | None
     tracker: Tracker
     on_record: Callable[[dict[str, Any]], None] | None = None
+    telemetry: RunTelemetry | None = None
     starts: list[dict[str, Any]] = field(default_factory=list)
     faults: list[dict[str, Any]] = field(default_factory=list)
     failures: list[dict[str, Any]] = field(default_factory=list)
@@ -145,6 +147,8 @@ class RunFollower:
                 self.display.update({**record, "restarts": self.restarts})
         elif event == "start":
             self.starts.append(record)
+            if self.restarts and self.telemetry is not None:
+                self.telemetry.record_restart("worker_group")
             if self.display is not None:
                 if self.restarts:
                     self.display.note(
@@ -217,7 +221,12 @@ def run_job(
         return _run_parameter_server(
             cfg, tracker=tracker, display=display, on_record=on_record, started_local=started_local
         )
-    follower = RunFollower(display=display, tracker=tracker, on_record=on_record)
+    follower = RunFollower(
+        display=display,
+        tracker=tracker,
+        on_record=on_record,
+        telemetry=RunTelemetry.for_driver(cfg, run_dir=run_dir),
+    )
     events = Queue(actor_options={"num_cpus": 0})
     resources: dict[str, float] = {"CPU": cfg.scaling.cpus_per_worker}
     if cfg.scaling.use_gpu:

@@ -26,6 +26,7 @@ from trainstack.models import build_model
 from trainstack.runtime.faults import FaultInjector
 from trainstack.strategies import Strategy, WorkerContext, build_strategy
 from trainstack.strategies.base import ReportsLayout, StepOutput
+from trainstack.telemetry import RunTelemetry
 
 LogFn = Callable[[dict[str, Any]], None]
 
@@ -107,6 +108,9 @@ def train(
     )
     peak_flops = device_peak_flops(ctx.device)
     faults = FaultInjector(cfg, rank=ctx.rank, marker_dir=run_dir / "faults", on_fire=emit)
+    telemetry = RunTelemetry.for_rank(
+        cfg, rank=ctx.rank, world_size=ctx.world_size, run_dir=run_dir
+    )
 
     def achieved_mfu(tokens_per_s: float) -> float | None:
         return mfu(
@@ -117,6 +121,7 @@ def train(
         )
 
     def save(step: int, metrics: dict[str, Any]) -> None:
+        started = time.perf_counter()
         _save_checkpoint(
             cfg,
             ctx,
@@ -127,6 +132,7 @@ def train(
             samples_seen=batches.cursor.samples_seen,
             metrics=metrics,
         )
+        telemetry.record_checkpoint(time.perf_counter() - started)
 
     def held_out_loss() -> float | None:
         """Mean loss on the held-out samples (a collective); None without them."""
@@ -180,6 +186,7 @@ def train(
                 record["eval_loss"] = held_out_loss()
             if ctx.rank == 0:
                 emit(record)
+            telemetry.record_step(record)  # every rank: dashboard series tagged by rank
         every = cfg.checkpoint.every_steps
         if every and done % every == 0 and done < cfg.train.steps:
             save(done, record or {"step": done})
