@@ -175,3 +175,9 @@ def test_resume_of_a_sweep_that_never_ran_is_refused(tmp_path: Path) -> None:
     sweep = load_sweep(write_sweep(tmp_path, storage_path=str(tmp_path / "sweeps")))
     with pytest.raises(ConfigError, match="nothing to resume"):
         run_sweep(sweep, resume=True)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "tune").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_sweep_files_load_and_track_in_mlflow(path: Path) -> None:
+    sweep = load_sweep(path)
+    assert sweep.base["tracking"]["backend"] == "mlflow" and len(sweep.grid()) >= 8

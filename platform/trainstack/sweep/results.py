@@ -6,7 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,10 +35,13 @@ class TrialRow:
     error: str = ""
 
 
-def label_for(overrides: Mapping[str, Any]) -> str:
-    """`{"strategy.kind": "zero", "strategy.stage": 2}` -> `zero, stage=2`."""
+def label_for(overrides: Mapping[str, Any], *, skip: Collection[str] = ()) -> str:
+    """`{"strategy.kind": "zero", "strategy.stage": 2}` -> `zero, stage=2`; keys in `skip`
+    (those the space gives one value only, e.g. implied by a condition) are left out."""
     parts = []
     for key, value in overrides.items():
+        if key in skip:
+            continue
         shown = f"{value:.3g}" if isinstance(value, float) else str(value)
         parts.append(shown if key.endswith(".kind") else f"{key.rsplit('.', 1)[-1]}={shown}")
     return ", ".join(parts) or "base"
@@ -119,8 +122,9 @@ def write_csv(rows: Sequence[TrialRow], path: Path) -> None:
 
 
 def plot_pareto(rows: Sequence[TrialRow], path: Path, *, title: str) -> None:
-    """Final held-out loss against tokens/s for every completed trial, each labelled,
-    with the Pareto front drawn through the ones nothing beats."""
+    """Final held-out loss against tokens/s for every completed trial, numbered on the
+    plot and named in a key beside it, with the Pareto front drawn through the ones
+    nothing beats."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -128,14 +132,8 @@ def plot_pareto(rows: Sequence[TrialRow], path: Path, *, title: str) -> None:
 
     done = [r for r in rows if r.status == COMPLETED and _finite(r.eval_loss, r.tokens_per_s)]
     front = pareto_front(rows)
-    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=120)
-    ax.scatter(
-        [r.tokens_per_s / 1e3 for r in done],
-        [r.eval_loss for r in done],
-        s=40,
-        color="tab:blue",
-        zorder=3,
-        label="completed trial",
+    fig, (ax, key) = plt.subplots(
+        1, 2, figsize=(12, 5.5), dpi=110, gridspec_kw={"width_ratios": [1.5, 1]}
     )
     ax.plot(
         [r.tokens_per_s / 1e3 for r in front],
@@ -143,26 +141,42 @@ def plot_pareto(rows: Sequence[TrialRow], path: Path, *, title: str) -> None:
         color="tab:orange",
         marker="o",
         markerfacecolor="none",
-        markersize=11,
+        markersize=13,
         zorder=2,
         label="Pareto front",
     )
-    for r in done:
+    ax.scatter(
+        [r.tokens_per_s / 1e3 for r in done],
+        [r.eval_loss for r in done],
+        s=30,
+        color="tab:blue",
+        zorder=3,
+        label="completed trial",
+    )
+    lines = []
+    for number, r in enumerate(done, start=1):
         ax.annotate(
-            r.label,
+            str(number),
             (r.tokens_per_s / 1e3, r.eval_loss),
             textcoords="offset points",
-            xytext=(6, 5),
+            xytext=(4, 4),
             fontsize=8,
+        )
+        mark = "*" if r in front else " "
+        lines.append(
+            f"{mark}{number:>3}  {r.eval_loss:.4f}  {r.tokens_per_s / 1e3:6.1f}k  {r.label}"
         )
     stopped = sum(r.status == STOPPED for r in rows)
     failed = sum(r.status == FAILED for r in rows)
-    note = f"{len(done)} completed, {stopped} stopped early by ASHA, {failed} failed (not shown)"
+    note = f"{len(done)} completed ({stopped} stopped early by ASHA, {failed} failed: not plotted)"
     ax.set_title(f"{title}\n{note}", fontsize=10)
     ax.set_xlabel("throughput (thousand tokens/s, steady state)")
     ax.set_ylabel("final held-out loss (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize=8)
+    key.axis("off")
+    header = "      loss   tokens/s  setting   (* Pareto front)"
+    key.text(0, 1, "\n".join([header, *lines]), family="monospace", fontsize=7.5, va="top")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)

@@ -98,7 +98,7 @@ def run_sweep(
             tuner = _new_tuner(sweep, trainable, concurrent=concurrent, callback=show)
         tuner.fit()
         trials = _trials(sweep_dir)
-        rows = [_row(trial, plan) for trial in trials]
+        rows = sorted((_row(trial, plan) for trial in trials), key=lambda r: r.trial_id)
         return _finish(sweep, plan, rows, parent=parent, show=show)
     finally:
         if started_local:
@@ -120,7 +120,8 @@ class SweepProgress(tune.Callback):
 
     def _name(self, trial: Any) -> str:
         number = self.numbers.setdefault(trial.trial_id, _trial_number(trial.trial_id))
-        label = label_for(self.sweep.trial_overrides(chosen_values(trial.config)))
+        overrides = self.sweep.trial_overrides(chosen_values(trial.config))
+        label = label_for(overrides, skip=self.sweep.single_valued())
         return f"[{number}/{self.total} {trial.trial_id}: {label}]"
 
     def on_trial_start(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
@@ -296,7 +297,7 @@ def _row(trial: Any, plan: TrialPlan) -> TrialRow:
         status = COMPLETED if last.get(COMPLETED_FLAG) else STOPPED
     return TrialRow(
         trial_id=trial.trial_id,
-        label=label_for(overrides),
+        label=label_for(overrides, skip=plan.sweep.single_valued()),
         overrides=overrides,
         status=status,
         step=_int(last.get("step")),

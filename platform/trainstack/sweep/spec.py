@@ -160,6 +160,10 @@ class SweepConfig:
     def sweep_dir(self) -> Path:
         return (Path(self.storage_path).expanduser() / self.name).resolve()
 
+    def single_valued(self) -> set[str]:
+        """Space keys with one value: implied by their conditions, not worth a label."""
+        return {dim.key for dim in self.space if len(dim.values) == 1}
+
     def trial_overrides(self, chosen: Mapping[str, Any]) -> dict[str, Any]:
         """The keys of `chosen` whose conditions hold, in space order."""
         view = flat_spec(self.base)
