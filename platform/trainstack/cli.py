@@ -28,17 +28,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, config_flag: bool) -> 
         parser.add_argument("--config", required=True, help="job spec (YAML)")
     else:
         parser.add_argument("config", help="job spec (YAML)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a spec key, e.g. --set scaling.num_workers=4 (repeatable)",
-    )
-    parser.add_argument(
-        "--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS, else local)"
-    )
+    _add_set_and_address(parser, what="a spec key, e.g. --set scaling.num_workers=4")
     parser.add_argument("--summary-json", default=None, help="write the final summary here")
     parser.add_argument(
         "--resume-from",
@@ -48,6 +38,20 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, config_flag: bool) -> 
     )
     parser.add_argument(
         "--progress", choices=PROGRESS_MODES, default=None, help="override log.progress"
+    )
+
+
+def _add_set_and_address(parser: argparse.ArgumentParser, *, what: str) -> None:
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"override {what} (repeatable)",
+    )
+    parser.add_argument(
+        "--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS, else local)"
     )
 
 
@@ -101,17 +105,7 @@ def _train(
 def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments shared by `trainstack sweep` and `tune/sweep.py`."""
     parser.add_argument("sweep", help="sweep file (YAML), e.g. tune/demo_sweep.yaml")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a job-spec key in every trial, e.g. --set train.steps=100 (repeatable)",
-    )
-    parser.add_argument(
-        "--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS, else local)"
-    )
+    _add_set_and_address(parser, what="a job-spec key in every trial, e.g. --set train.steps=100")
     parser.add_argument(
         "--resume",
         action="store_true",

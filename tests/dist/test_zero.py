@@ -178,7 +178,7 @@ def test_zero_checkpoint_files_load_with_weights_only(runs: dict[str, Run]) -> N
         assert weights[name].shape == value.shape and weights[name].dtype == torch.float32, name
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_resume_after_a_killed_worker_is_bitwise_identical(
     runs: dict[str, Run], tmp_path: Path, stage: int
 ) -> None:

@@ -106,7 +106,7 @@ def test_job_submit_runs_a_sweep_on_head_node(
     sweep = {
         "name": "submitted-sweep",
         "base": "base.yaml",
-        "space": {"compression.kind": ["none", "topk"]},
+        "space": {"compression.kind": ["topk"]},
         "search": {"algorithm": "grid"},
         "scheduler": {"kind": "fifo"},
     }
@@ -123,6 +123,6 @@ def test_job_submit_runs_a_sweep_on_head_node(
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = tmp_path / "sweeps" / "submitted-sweep"
     rows = list(csv.DictReader((results / "results.csv").open()))
-    assert sorted(r["compression.kind"] for r in rows) == ["none", "topk"]
-    assert all(r["status"] == "completed" and float(r["eval_loss"]) > 0 for r in rows)
+    assert [r["compression.kind"] for r in rows] == ["topk"]
+    assert rows[0]["status"] == "completed" and float(rows[0]["eval_loss"]) > 0
     assert (results / "best.yaml").exists()

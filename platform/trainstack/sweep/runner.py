@@ -318,6 +318,14 @@ def _finish(
     best = best_trial(rows, sweep.objective)
     if isinstance(parent, MlflowTracker):
         _close_trial_runs(parent, plan, rows)
+    outcome = SweepOutcome(
+        rows=rows,
+        best=best,
+        sweep_dir=sweep_dir,
+        interrupted=interrupted,
+        best_spec=None,
+        parent_run_id=parent.run_id,
+    )
     if interrupted:
         done = sum(r.status != UNFINISHED for r in rows)
         show.note(
@@ -325,20 +333,13 @@ def _finish(
             f"continue it with: trainstack sweep {sweep.path} --resume"
         )
         parent.finish({"interrupted": True}, failed=True)
-        return SweepOutcome(
-            rows=rows,
-            best=best,
-            sweep_dir=sweep_dir,
-            interrupted=True,
-            best_spec=None,
-            parent_run_id=parent.run_id,
-        )
+        return outcome
     table = format_table(rows, best=best)
     write_text_atomically(sweep_dir / "results.txt", table + "\n")
     write_csv(rows, sweep_dir / "results.csv")
     title = f"sweep {sweep.name}: final loss vs throughput"
     plot_pareto(rows, sweep_dir / "pareto.png", title=title)
-    best_spec = _write_best(sweep, best) if best is not None else None
+    outcome.best_spec = best_spec = _write_best(sweep, best) if best is not None else None
     print(f"trainstack: sweep {sweep.name} results (* best)\n{table}", flush=True)
     if best is not None:
         show.note(
@@ -359,14 +360,7 @@ def _finish(
             if (sweep_dir / name).exists():
                 parent.log_file(sweep_dir / name)
     parent.finish(summary, failed=best is None)
-    return SweepOutcome(
-        rows=rows,
-        best=best,
-        sweep_dir=sweep_dir,
-        interrupted=False,
-        best_spec=best_spec,
-        parent_run_id=parent.run_id,
-    )
+    return outcome
 
 
 def _write_best(sweep: SweepConfig, best: TrialRow) -> Path:
