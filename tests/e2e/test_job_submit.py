@@ -7,6 +7,7 @@ import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
+import mlflow
 import pytest
 
 from trainstack.runtime.local import free_port
@@ -87,9 +88,11 @@ def test_job_submit_trains_demo_on_head_node(
     assert summary["final_loss"] < summary["entropy_floor"] * 2
 
 
-def test_job_submit_runs_a_sweep_on_head_node(
+def test_job_submit_runs_a_sweep_whose_failed_trial_is_retried(
     head_node: str, auth: dict[str, str], tmp_path: Path
 ) -> None:
+    """The trial's run fails once for good (a worker killed, no restarts allowed in the
+    job spec); the sweep's failure policy retries the trial, which then finishes."""
     base = {
         "name": "submitted",
         "model": {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32},
@@ -100,6 +103,8 @@ def test_job_submit_runs_a_sweep_on_head_node(
         "compression": {"ratio": 0.05, "min_numel": 0},
         "log": {"every_steps": 5},
         "checkpoint": {"storage_path": str(tmp_path / "runs")},
+        "failure": {"max_failures": 0},
+        "faults": {"kill_at_steps": [8], "rank": 1},  # fires once per run directory
         "tracking": {"backend": "mlflow", "uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
     }
     (tmp_path / "base.yaml").write_text(json.dumps(base))
@@ -109,6 +114,7 @@ def test_job_submit_runs_a_sweep_on_head_node(
         "space": {"compression.kind": ["topk"]},
         "search": {"algorithm": "grid"},
         "scheduler": {"kind": "fifo"},
+        "failure": {"max_failures": 1},
     }
     (tmp_path / "sweep.yaml").write_text(json.dumps(sweep))
     proc = run(
@@ -121,8 +127,15 @@ def test_job_submit_runs_a_sweep_on_head_node(
         **auth,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "failed; retrying" in proc.stdout
     results = tmp_path / "sweeps" / "submitted-sweep"
     rows = list(csv.DictReader((results / "results.csv").open()))
     assert [r["compression.kind"] for r in rows] == ["topk"]
     assert rows[0]["status"] == "completed" and float(rows[0]["eval_loss"]) > 0
     assert (results / "best.yaml").exists()
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    trial_runs = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert len(runs) == 2 and len(trial_runs) == 1  # the retry continued the trial's run
+    assert trial_runs[0].info.status == "FINISHED"
+    assert trial_runs[0].data.tags["trainstack.resumed_count"] == "1"

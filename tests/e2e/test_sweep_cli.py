@@ -32,7 +32,7 @@ def write_sweep(tmp_path: Path) -> Path:
         "name": "tiny",
         "model": {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32},
         "data": {"vocab_size": 16, "order": 1, "concentration": 0.1, "eval_samples": 64},
-        "train": {"steps": 60, "global_batch_size": 16, "micro_batch_size": 8},
+        "train": {"steps": 40, "global_batch_size": 16, "micro_batch_size": 8},
         "optim": {"lr": 1.0e-2, "warmup_steps": 2},
         "strategy": {"consistency": "bsp"},  # ps trials deterministic: best.yaml reproduces
         "compression": {"ratio": 0.01, "min_numel": 0},
@@ -102,9 +102,6 @@ def test_interrupted_sweep_resumes_and_ends_with_asha_stops_mlflow_runs_and_best
     finished_run = next((sweep_dir / "runs").iterdir())
     finished_ckpt = {p.name: p.stat().st_mtime for p in finished_run.glob("checkpoint_*")}
     assert finished_ckpt
-
-    again = run([str(BIN / "trainstack"), "sweep", str(sweep_file)], timeout=120, **FAST_REPORTS)
-    assert again.returncode == 2 and "already ran" in again.stderr
 
     resumed = run(
         [str(BIN / "trainstack"), "sweep", str(sweep_file), "--resume"],

@@ -31,7 +31,7 @@ from trainstack.telemetry import RunTelemetry, ShardTelemetry, run_id_for
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "dashboards" / "grafana_trainstack.json"
 VOCAB = 16
-PS_STEPS = 120
+PS_STEPS = 80
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
 """Series name -> (labels, value) of every sample in a scrape."""

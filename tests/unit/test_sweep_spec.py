@@ -1,6 +1,7 @@
 """Sweep files: what a space expands to, and one clear ConfigError for each mistake."""
 
 import dataclasses
+import pickle
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,7 @@ def test_optuna_suggests_only_the_keys_whose_conditions_hold() -> None:
         sweep, search=dataclasses.replace(sweep.search, algorithm="optuna", num_samples=12)
     )
     searcher = tuning.searcher(sweep, concurrent=1)
+    pickle.dumps(searcher)  # Tune pickles the searcher with the experiment state
     suggested = [searcher.suggest(f"t{i}")["sampled"] for i in range(12)]
     for values in suggested:
         kind = values["strategy.kind"]
@@ -181,3 +183,14 @@ def test_resume_of_a_sweep_that_never_ran_is_refused(tmp_path: Path) -> None:
 def test_shipped_sweep_files_load_and_track_in_mlflow(path: Path) -> None:
     sweep = load_sweep(path)
     assert sweep.base["tracking"]["backend"] == "mlflow" and len(sweep.grid()) >= 8
+
+
+def test_a_sweep_that_already_ran_needs_resume(tmp_path: Path) -> None:
+    from trainstack.sweep.runner import run_sweep
+
+    sweep = load_sweep(write_sweep(tmp_path, storage_path=str(tmp_path / "sweeps")))
+    sweep.sweep_dir.mkdir(parents=True)
+    # What Tune leaves behind for Tuner.restore (as tests/e2e/test_sweep_cli.py does for real).
+    (sweep.sweep_dir / "tuner.pkl").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"already ran at .*pass --resume"):
+        run_sweep(sweep)

@@ -119,7 +119,9 @@ class SweepProgress(tune.Callback):
             print(f"trainstack: {text}", flush=True)
 
     def _name(self, trial: Any) -> str:
-        number = self.numbers.setdefault(trial.trial_id, _trial_number(trial.trial_id))
+        number = self.numbers.setdefault(
+            trial.trial_id, _trial_number(trial.trial_id) or len(self.numbers) + 1
+        )
         overrides = self.sweep.trial_overrides(chosen_values(trial.config))
         label = label_for(overrides, skip=self.sweep.single_valued())
         return f"[{number}/{self.total} {trial.trial_id}: {label}]"
@@ -399,7 +401,8 @@ def _close_trial_runs(parent: MlflowTracker, plan: TrialPlan, rows: list[TrialRo
 
 
 def _trial_number(trial_id: str) -> int:
-    """Tune numbers a sweep's trials in its ids (`3f2a1_00004` is the fifth)."""
+    """Tune's variant generator numbers trials in their ids (`3f2a1_00004` is the fifth);
+    0 for other searchers' ids."""
     counter = trial_id.rsplit("_", 1)[-1]
     return int(counter) + 1 if counter.isdigit() else 0
 

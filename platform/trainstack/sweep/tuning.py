@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from ray import tune
@@ -12,7 +13,7 @@ from ray.tune.search import SearchAlgorithm, Searcher
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
 from trainstack.config import ConfigError, JobConfig
-from trainstack.sweep.spec import Dimension, Distribution, SweepConfig
+from trainstack.sweep.spec import Dimension, Distribution, SweepConfig, flat_spec
 
 HEAD_NODE = "node:__internal_head__"
 """Ray's resource on the head node. A trial's driver reserves a sliver of it and no CPU:
@@ -58,22 +59,28 @@ def searcher(sweep: SweepConfig, *, concurrent: int) -> SearchAlgorithm | Search
         return BasicVariantGenerator(random_state=sweep.search.seed, max_concurrent=concurrent)
     from ray.tune.search.optuna import OptunaSearch
 
-    space = list(sweep.space)
-
-    def define_by_run(trial: Any) -> None:
-        """Suggest each key whose conditions hold, in file order (conditions may only
-        name earlier keys, so they are decided by then)."""
-        view = dict(_base_view(sweep))
-        for dim in space:
-            if dim.applies(view):
-                view[dim.key] = _suggest(trial, dim)
-
     return OptunaSearch(
-        space=define_by_run,
+        space=ConditionalSpace(sweep=sweep),
         metric=sweep.objective.metric,
         mode=sweep.objective.mode,
         seed=sweep.search.seed,
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConditionalSpace:
+    """Optuna's define-by-run space (a class, not a closure: Tune pickles the searcher).
+
+    Suggests each key whose conditions hold, in file order; conditions may only name
+    earlier keys, so they are decided by then."""
+
+    sweep: SweepConfig
+
+    def __call__(self, trial: Any) -> None:
+        view = flat_spec(self.sweep.base)
+        for dim in self.sweep.space:
+            if dim.applies(view):
+                view[dim.key] = _suggest(trial, dim)
 
 
 def scheduler(sweep: SweepConfig) -> TrialScheduler:
@@ -145,9 +152,3 @@ def _suggest(trial: Any, dim: Dimension) -> Any:
     if dist.is_integer:
         return trial.suggest_int(name, int(dist.low), int(dist.high), log=log)
     return trial.suggest_float(name, dist.low, dist.high, log=log)
-
-
-def _base_view(sweep: SweepConfig) -> dict[str, Any]:
-    from trainstack.sweep.spec import flat_spec
-
-    return flat_spec(sweep.base)
