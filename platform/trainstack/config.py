@@ -342,11 +342,17 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
     """
     result = dict(raw)
     for override in overrides:
-        key, sep, text = override.partition("=")
-        if not sep or not all(part.strip() for part in key.split(".")):
-            raise ConfigError(f"--set {show(override)}: expected key.sub=value")
-        result = set_key(result, key, _parse_override_value(override, text), what="--set")
+        key, value = parse_override(override)
+        result = set_key(result, key, value, what="--set")
     return result
+
+
+def parse_override(override: str) -> tuple[str, object]:
+    """`a.b=c` -> `("a.b", c parsed as YAML)`; an empty value is the empty string."""
+    key, sep, text = override.partition("=")
+    if not sep or not all(part.strip() for part in key.split(".")):
+        raise ConfigError(f"--set {show(override)}: expected key.sub=value")
+    return key.strip(), _parse_override_value(override, text)
 
 
 def set_key(raw: dict[str, Any], key: str, value: object, *, what: str) -> dict[str, Any]:

@@ -194,3 +194,10 @@ def test_a_sweep_that_already_ran_needs_resume(tmp_path: Path) -> None:
     (sweep.sweep_dir / "tuner.pkl").write_bytes(b"")
     with pytest.raises(ConfigError, match=r"already ran at .*pass --resume"):
         run_sweep(sweep)
+
+
+def test_set_override_with_bad_yaml_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"value is not valid YAML"):
+        load_sweep(write_sweep(tmp_path), ["optim.betas=[0.9"])
+    sweep = load_sweep(write_sweep(tmp_path), ["train.steps=120"])
+    assert sweep.base["train"]["steps"] == 120 and sweep.fixed == {"train.steps": 120}

@@ -87,9 +87,9 @@ def table_rows(rows: Sequence[TrialRow]) -> list[list[str]]:
             r.status,
             "" if r.step is None else str(r.step),
             "" if r.tokens is None else str(r.tokens),
-            _fmt(r.eval_loss, ".4f"),
-            _fmt(r.tokens_per_s, ".0f"),
-            _fmt(r.elapsed_s, ".1f"),
+            fmt_number(r.eval_loss, ".4f"),
+            fmt_number(r.tokens_per_s, ".0f"),
+            fmt_number(r.elapsed_s, ".1f"),
         ]
         for r in rows
     ]
@@ -183,8 +183,9 @@ def plot_pareto(rows: Sequence[TrialRow], path: Path, *, title: str) -> None:
     plt.close(fig)
 
 
-def _fmt(value: float, spec: str) -> str:
-    return format(value, spec) if _finite(value) else ""
+def fmt_number(value: Any, spec: str, *, missing: str = "") -> str:
+    """`value` formatted with `spec`, or `missing` when it is not a finite number."""
+    return format(value, spec) if _finite(value) else missing
 
 
 def _finite(*values: Any) -> bool:

@@ -17,7 +17,6 @@ import json
 import logging
 import math
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from trainstack.sweep.results import (
     UNFINISHED,
     TrialRow,
     best_trial,
+    fmt_number,
     format_table,
     label_for,
     plot_pareto,
@@ -45,7 +45,12 @@ from trainstack.sweep.results import (
 from trainstack.sweep.spec import SweepConfig
 from trainstack.sweep.trial import COMPLETED as COMPLETED_FLAG
 from trainstack.sweep.trial import TrialPlan, chosen_values, run_trial, trial_job
-from trainstack.tracking import MlflowTracker, mlflow_tracker, resolve_tracking_uri
+from trainstack.tracking import (
+    MlflowTracker,
+    NullTracker,
+    mlflow_tracker,
+    resolve_tracking_uri,
+)
 
 STATE_FILE = "sweep.json"
 """What the sweep was started with; `--resume` must find the same."""
@@ -136,19 +141,16 @@ class SweepProgress(tune.Callback):
             record = {k: result.get(k) for k in ("step", "tokens", "eval_loss", "tokens_per_s")}
             print(json.dumps({"trial": trial.trial_id, **record}), flush=True)
         elif self.mode != "quiet" and not result.get(COMPLETED_FLAG):
+            loss, speed = _loss_and_speed(result)
             self.note(
-                f"{self._name(trial)} step {result['step']:.0f}  "
-                f"eval_loss {_show(result.get('eval_loss'), '.4f')}  "
-                f"tok/s {_show(result.get('tokens_per_s'), '.0f')}"
+                f"{self._name(trial)} step {result['step']:.0f}  eval_loss {loss}  tok/s {speed}"
             )
 
     def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         last = trial.last_result or {}
         if last.get(COMPLETED_FLAG):
-            what = (
-                f"done: eval_loss {_show(last.get('eval_loss'), '.4f')}, "
-                f"{_show(last.get('tokens_per_s'), '.0f')} tokens/s"
-            )
+            loss, speed = _loss_and_speed(last)
+            what = f"done: eval_loss {loss}, {speed} tokens/s"
         else:
             what = f"stopped early by ASHA at step {last.get('step', 0):.0f}"
         self.note(f"{self._name(trial)} {what}")
@@ -255,8 +257,6 @@ def _check_state(sweep: SweepConfig, *, resume: bool) -> None:
 
 def _open_parent(sweep: SweepConfig, *, concurrent: int) -> Any:
     """The sweep's MLflow run (continued on --resume), or a no-op without tracking."""
-    from trainstack.tracking import NullTracker
-
     tracking = sweep.base["tracking"]
     if tracking["backend"] == "none":
         return NullTracker()
@@ -420,9 +420,8 @@ def _int(value: Any) -> int | None:
     return int(value) if isinstance(value, int | float) and math.isfinite(value) else None
 
 
-def _show(value: Any, spec: str) -> str:
-    return format(value, spec) if isinstance(value, int | float) and math.isfinite(value) else "-"
-
-
-def print_error(message: str) -> None:
-    print(f"trainstack: error: {message}", file=sys.stderr)
+def _loss_and_speed(result: dict[str, Any]) -> tuple[str, str]:
+    return (
+        fmt_number(result.get("eval_loss"), ".4f", missing="-"),
+        fmt_number(result.get("tokens_per_s"), ".0f", missing="-"),
+    )

@@ -37,6 +37,7 @@ from trainstack.config import (
     config_from_dict,
     config_to_dict,
     load_config,
+    parse_override,
     set_key,
 )
 from trainstack.config_fields import build_section, field_types, got, show
@@ -221,7 +222,7 @@ def load_sweep(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
     fixed = raw.get("set") or {}
     if not isinstance(fixed, dict):
         raise ConfigError(f"sweep set: expected a mapping of spec keys, got {got(fixed)}")
-    fixed = {**fixed, **_parse_overrides(overrides)}
+    fixed = {**fixed, **dict(parse_override(o) for o in overrides)}
     base_cfg = load_config(str(base_path))
     base = config_to_dict(base_cfg)
     for key, value in fixed.items():
@@ -293,16 +294,6 @@ def _read_yaml(path: Path) -> dict[str, Any]:
             f"{', '.join(SWEEP_KEYS)}; got {got(raw)}"
         )
     return raw
-
-
-def _parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    parsed: dict[str, Any] = {}
-    for override in overrides:
-        key, sep, text = override.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set {show(override)}: expected key.sub=value")
-        parsed[key.strip()] = yaml.safe_load(text) if text.strip() else ""
-    return parsed
 
 
 def _parse_space(raw: object) -> tuple[Dimension, ...]:
