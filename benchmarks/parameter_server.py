@@ -61,7 +61,12 @@ from trainstack.data.sharding import ShardedBatches
 from trainstack.models import build_model
 from trainstack.ps.driver import _held_out_loss, run_parameter_server
 from trainstack.runtime.optim import build_optimizer, lr_multiplier, scaled_lr
-from trainstack.strategies.base import next_token_loss
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, written out here as a plain-PyTorch reference."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
 
 MODES: list[tuple[str, str, int]] = [
     ("async", "async", 0),

@@ -32,8 +32,8 @@ import torch
 from trainstack.config import ConfigError, config_from_dict
 from trainstack.models import build_model
 from trainstack.runtime.local import run_processes
-from trainstack.strategies.base import next_token_loss
 from trainstack.strategies.pipeline_probe import SavedActivationMeter
+from trainstack.tasks import build_task
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_interleaved", "zbv", "dualpipev")
 MICRO_BATCH = 4
@@ -149,7 +149,7 @@ def whole_model_activation_bytes(args: argparse.Namespace, *, checkpointing: boo
     )
     idx = torch.randint(0, cfg.data.vocab_size, (MICRO_BATCH, cfg.model.block_size))
     with meter.recording():
-        loss = next_token_loss(model(idx), idx)
+        loss = build_task(cfg).loss(model(idx), idx)
     held = meter.live_bytes
     loss.backward()
     return held

@@ -163,6 +163,7 @@ def build_manifest(
     world_size: int,
     files: dict[str, dict[str, Any]],
     metrics: dict[str, Any],
+    model_shapes: dict[str, list[int]],
 ) -> dict[str, Any]:
     import ray
 
@@ -182,8 +183,14 @@ def build_manifest(
         },
         "created_unix": time.time(),
         "metrics": metrics,
+        "model_shapes": model_shapes,
         "files": files,
     }
+
+
+def parameter_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
+    """The model's state-dict names and shapes: what a checkpoint must match to load."""
+    return {name: list(t.shape) for name, t in model.state_dict().items()}
 
 
 def verify(path: Path) -> Checkpoint:
@@ -324,20 +331,22 @@ def resolve(path: Path, *, warn: Callable[[str], None] = warn) -> Checkpoint:
     return chosen
 
 
-def check_same_model(start: Checkpoint, cfg: JobConfig) -> None:
-    """Raise CheckpointError when `start` holds weights of another model than `cfg`'s."""
-    from trainstack.config import config_to_dict
-
-    wanted = config_to_dict(cfg)
-    saved = start.manifest["spec"]
+def check_same_model(start: Checkpoint, shapes: dict[str, list[int]]) -> None:
+    """Raise CheckpointError when `start` holds weights of another model than the one
+    whose state-dict names and shapes are `shapes` (`parameter_shapes(model)`)."""
+    saved: dict[str, list[int]] | None = start.manifest.get("model_shapes")
+    if saved is None:  # written before checkpoints recorded shapes: loading will tell
+        return
     differences = [
-        f"{section}.{key} {saved[section].get(key)!r} in the checkpoint, {value!r} now"
-        for section, keys in (("model", None), ("data", ("vocab_size",)))
-        for key, value in wanted[section].items()
-        if (keys is None or key in keys) and saved[section].get(key) != value
+        f"{name} {saved.get(name, 'absent')} in the checkpoint, {shapes.get(name, 'absent')} now"
+        for name in sorted(saved.keys() | shapes.keys())
+        if saved.get(name) != shapes.get(name)
     ]
     if differences:
+        shown = "; ".join(differences[:5])
+        more = f"; and {len(differences) - 5} more" if len(differences) > 5 else ""
         raise CheckpointError(
-            f"{start.path} holds another model ({'; '.join(differences)}); choose another "
-            "name, another checkpoint.storage_path, or remove the old run"
+            f"{start.path} holds another model ({len(differences)} tensors differ: {shown}"
+            f"{more}); choose another name, another checkpoint.storage_path, or remove the "
+            "old run"
         )

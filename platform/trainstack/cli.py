@@ -78,14 +78,15 @@ def _train(
 
     display = ProgressDisplay(mode=cfg.log.progress)
     print(
-        f"trainstack: {cfg.name}: {cfg.model.kind} on {cfg.scaling.num_workers} "
+        f"trainstack: {cfg.name}: {cfg.model.target or cfg.model.kind} ({cfg.task.kind}) on "
+        f"{cfg.scaling.num_workers} "
         f"{'GPU' if cfg.scaling.use_gpu else 'CPU'} worker(s), strategy {cfg.strategy.kind}, "
         f"{cfg.train.steps} steps",
         flush=True,
     )
     try:
         summary = run_job(cfg, address=address, display=display, resume_from=resume_from)
-    except CheckpointError as err:
+    except (ConfigError, CheckpointError) as err:
         return _error(str(err), code=2)
     except RunFailedError as err:
         return _error(str(err), code=1)
@@ -144,18 +145,36 @@ def sweep_command(args: argparse.Namespace) -> int:
 
 
 def export_command(args: argparse.Namespace) -> int:
-    """Verify a checkpoint and write its consolidated weights (`model.pt`) to --out."""
+    """Verify a checkpoint and write its consolidated weights (`model.pt`) to --out; a
+    Hugging Face model (`model.kind: hf`) also as a `save_pretrained` directory."""
     from trainstack.checkpoint import CheckpointError, resolve, save_atomically
+    from trainstack.config import config_from_dict
 
     try:
         found = resolve(Path(args.checkpoint).expanduser().resolve())
         state = found.full_weights()
-    except CheckpointError as err:
+        cfg = config_from_dict(found.manifest["spec"])
+    except (CheckpointError, ConfigError) as err:
         return _error(str(err), code=2)
     out = Path(args.out)
     save_atomically(state, out)
     numel = sum(t.numel() for t in state.values())
     print(f"trainstack: wrote {out} ({len(state)} tensors, {numel:,} values) from {found.path}")
+    if cfg.model.kind != "hf":
+        return 0
+    from trainstack.models.hf import export_pretrained
+
+    hf_dir = Path(args.hf_dir) if args.hf_dir else out.with_name(out.stem + "_hf")
+    try:
+        export_pretrained(
+            cfg.model, vocab_size=cfg.data.vocab_size, weights=state, directory=hf_dir
+        )
+    except ConfigError as err:
+        return _error(str(err), code=2)
+    print(
+        f"trainstack: wrote {hf_dir} (Hugging Face save_pretrained; load it with "
+        "AutoModelForCausalLM.from_pretrained)"
+    )
     return 0
 
 
@@ -181,6 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("checkpoint", help="a checkpoint directory, or a run directory")
     export.add_argument("--out", required=True, help="where to write the state dict (.pt)")
+    export.add_argument(
+        "--hf-dir",
+        default=None,
+        help="model.kind hf: where to write the save_pretrained directory (default: next "
+        "to --out, named <out>_hf)",
+    )
     export.set_defaults(handler=export_command)
     from trainstack.report import add_report_parser
 

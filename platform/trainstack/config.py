@@ -56,7 +56,20 @@ from trainstack.config_fields import (
 @dataclass(kw_only=True)
 class ModelConfig:
     kind: str = "gpt"
-    """Model family: `gpt` (decoder-only transformer) or `mlp` (windowed next-token MLP)."""
+    """`gpt` (decoder-only transformer), `mlp` (windowed next-token MLP), `custom` (your
+    own module, named by `target`) or `hf` (a Hugging Face causal LM built from `hf`)."""
+    target: str = ""
+    """custom: `package.module:attribute`, an `nn.Module` class or a factory returning one."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """custom: keyword arguments `target` is called with."""
+    hf: dict[str, Any] = field(default_factory=dict)
+    """hf: the model's Hugging Face config keys, `model_type` first (e.g. `llama`, `gpt2`);
+    `vocab_size` follows data.vocab_size. Randomly initialised: nothing is downloaded."""
+    pretrained: str = ""
+    """hf: a local `save_pretrained` directory to start from (weights from local disk only)."""
+    checkpoint_modules: tuple[str, ...] = ()
+    """Class names of the blocks that `activation_checkpointing` wraps (custom and hf
+    models); empty: the model's pipeline layers, or the HF family's decoder layer."""
     n_layer: int = 2
     """GPT: transformer blocks. MLP: hidden layers."""
     n_head: int = 2
@@ -70,13 +83,25 @@ class ModelConfig:
     context: int = 4
     """MLP only: how many previous tokens each prediction sees."""
     activation_checkpointing: bool = False
-    """GPT: recompute each block's activations in the backward pass instead of keeping them."""
+    """Recompute each block's activations in the backward pass instead of keeping them."""
+
+
+@dataclass(kw_only=True)
+class TaskConfig:
+    kind: str = "lm"
+    """`lm`: token ids [B, T] -> logits [B, T, V], next-token cross-entropy; `classify`:
+    inputs -> logits [B, C], cross-entropy and accuracy."""
+    loss: str = ""
+    """Optional `package.module:function` called as `fn(outputs, batch) -> scalar tensor`
+    (batch = (inputs, targets)) instead of the task's cross-entropy."""
 
 
 @dataclass(kw_only=True)
 class DataConfig:
     kind: str = "markov"
-    """Data source: `markov` (synthetic Markov-chain text with an exact entropy floor)."""
+    """Data source: `markov` (synthetic Markov-chain text with an exact entropy floor, for
+    `task.kind: lm`) or `clusters` (synthetic labelled inputs with a known Bayes
+    accuracy, for `task.kind: classify`)."""
     vocab_size: int = 64
     """Tokens in the vocabulary (2..65536); the model's vocabulary follows it."""
     order: int = 1
@@ -87,6 +112,12 @@ class DataConfig:
     """Seed of the transition matrix and of the sample stream (independent of train.seed)."""
     eval_samples: int = 256
     """Held-out samples for the evaluation loss (>= 0; 0 disables evaluation)."""
+    num_classes: int = 10
+    """clusters: classes (2..1000); the model's output width for `task.kind: classify`."""
+    shape: tuple[int, ...] = (1, 8, 8)
+    """clusters: shape of one input, e.g. [1, 8, 8] (an image) or [16] (a vector)."""
+    noise: float = 1.0
+    """clusters: standard deviation of the Gaussian noise around each class's template (> 0)."""
 
 
 @dataclass(kw_only=True)
@@ -267,6 +298,7 @@ class JobConfig:
     name: str = "trainstack-job"
     """Run name: letters, digits, '-', '_' and '.'; names the run's storage directory."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -287,6 +319,12 @@ class JobConfig:
         if self.strategy.kind == "pipeline":
             return self.strategy.data_parallel
         return self.scaling.num_workers
+
+    @property
+    def tokens_per_sample(self) -> int:
+        """Tokens one sample trains on: the sequence length for `lm`, 1 for `classify`
+        (throughput and MFU then count samples)."""
+        return self.model.block_size if self.task.kind == "lm" else 1
 
     @property
     def grad_accum_steps(self) -> int:

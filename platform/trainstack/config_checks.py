@@ -26,8 +26,17 @@ if TYPE_CHECKING:
 
 # ---- allowed values (other modules may extend these) ---------------------------
 
-MODEL_KINDS: tuple[str, ...] = ("gpt", "mlp")
-DATA_KINDS: tuple[str, ...] = ("markov",)
+MODEL_KINDS: tuple[str, ...] = ("gpt", "mlp", "custom", "hf")
+BUILTIN_MODEL_KINDS: tuple[str, ...] = ("gpt", "mlp")
+"""Models whose structure the spec alone determines; the others are built to be known."""
+TASK_KINDS: tuple[str, ...] = ("lm", "classify")
+DATA_KINDS: tuple[str, ...] = ("markov", "clusters")
+DATA_TASKS: dict[str, str] = {"markov": "lm", "clusters": "classify"}
+"""The task each data source's samples are for."""
+IMPORT_PATH = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*")
+"""`package.module:attribute`, the form of model.target and task.loss."""
+MAX_CLASSES = 1000
+MAX_INPUT_NUMEL = 2**20
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
 OPTIM_KINDS: tuple[str, ...] = ("adamw", "sgd")
 LR_SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
@@ -164,6 +173,7 @@ def validate(cfg: JobConfig) -> None:
     """Raise ConfigError for out-of-range values and inconsistent combinations."""
     _validate_name(cfg.name)
     _validate_model(cfg.model)
+    _validate_task(cfg)
     _validate_data(cfg.data)
     _validate_train(cfg.train)
     _validate_optim(cfg.optim)
@@ -210,6 +220,7 @@ def _validate_model(m: ModelConfig) -> None:
     )
     _require("model.dropout", 0 <= m.dropout < 1, m.dropout, "[0, 1)")
     _require("model.context", m.context >= 1, m.context, ">= 1")
+    _validate_model_source(m)
     if m.kind == "gpt" and m.n_embd % m.n_head:
         raise ConfigError(
             f"model.n_embd={m.n_embd} must be divisible by model.n_head={m.n_head}; "
@@ -217,8 +228,74 @@ def _validate_model(m: ModelConfig) -> None:
         )
 
 
+def _validate_model_source(m: ModelConfig) -> None:
+    """The keys that name where a model comes from belong to one kind each."""
+    for key, kind, value in (
+        ("target", "custom", m.target),
+        ("args", "custom", m.args),
+        ("hf", "hf", m.hf),
+        ("pretrained", "hf", m.pretrained),
+    ):
+        if value and m.kind != kind:
+            raise ConfigError(
+                f"model.{key} is set but model.kind={m.kind}; it needs model.kind={kind}"
+            )
+    if m.checkpoint_modules and m.kind in BUILTIN_MODEL_KINDS:
+        raise ConfigError(
+            f"model.checkpoint_modules applies to custom and hf models; model.kind={m.kind} "
+            "checkpoints its own blocks (set model.activation_checkpointing=true)"
+        )
+    if m.kind == "custom":
+        _check_import_path("model.target", m.target, what="your model class or factory")
+    if m.kind == "hf" and not m.pretrained and "model_type" not in m.hf:
+        raise ConfigError(
+            "model.hf.model_type is missing; allowed: a Hugging Face model type such as "
+            "llama or gpt2 (or set model.pretrained to a local save_pretrained directory)"
+        )
+    if m.kind == "hf" and "vocab_size" in m.hf:
+        raise ConfigError(
+            f"model.hf.vocab_size={show(m.hf['vocab_size'])} is set; the vocabulary follows "
+            "data.vocab_size, so set that instead"
+        )
+
+
+def _check_import_path(key: str, value: str, *, what: str) -> None:
+    if not IMPORT_PATH.fullmatch(value):
+        raise ConfigError(
+            f"{key}={show(value)} is not an import path; allowed: 'package.module:attribute' "
+            f"naming {what}, e.g. 'my_pkg.models:build'"
+        )
+
+
+def _validate_task(cfg: JobConfig) -> None:
+    t = cfg.task
+    _check_choice("task.kind", t.kind, TASK_KINDS)
+    if t.loss:
+        _check_import_path("task.loss", t.loss, what="a function fn(outputs, batch) -> loss")
+    wanted = DATA_TASKS.get(cfg.data.kind)
+    if wanted is not None and wanted != t.kind:
+        raise ConfigError(
+            f"data.kind={cfg.data.kind} gives samples for task.kind={wanted}, not "
+            f"task.kind={t.kind}; choose a {t.kind} data source or set task.kind={wanted}"
+        )
+    if t.kind == "classify" and cfg.model.kind not in ("custom",):
+        raise ConfigError(
+            f"task.kind=classify needs your own model (model.kind=custom); model.kind="
+            f"{cfg.model.kind} is a language model (task.kind=lm)"
+        )
+
+
 def _validate_data(d: DataConfig) -> None:
     _check_choice("data.kind", d.kind, DATA_KINDS)
+    _require(
+        "data.num_classes", 2 <= d.num_classes <= MAX_CLASSES, d.num_classes, f"2 to {MAX_CLASSES}"
+    )
+    _require("data.noise", d.noise > 0, d.noise, "> 0")
+    for i, size in enumerate(d.shape):
+        _require(f"data.shape[{i}]", size >= 1, size, ">= 1")
+    shape_ok = 1 <= len(d.shape) <= 4 and math.prod(d.shape) <= MAX_INPUT_NUMEL
+    allowed_shape = f"1 to 4 sizes whose product is at most {MAX_INPUT_NUMEL}"
+    _require("data.shape", shape_ok, list(d.shape), allowed_shape)
     _require(
         "data.vocab_size",
         2 <= d.vocab_size <= MAX_VOCAB_SIZE,
@@ -294,8 +371,11 @@ def _validate_pipeline(cfg: JobConfig) -> None:
     if s.kind != "pipeline":
         return
     p, d, v = s.stages, s.data_parallel, cfg.pipeline_virtual_stages
-    if m.kind != "gpt":
-        raise ConfigError(f"strategy.kind=pipeline splits a gpt model; got model.kind={m.kind}")
+    if m.kind == "mlp":
+        raise ConfigError(
+            "strategy.kind=pipeline cuts a model into its pipeline layers; model.kind=mlp has "
+            "none (use gpt, hf, or a custom model with pipeline_layers())"
+        )
     if cfg.scaling.num_workers != p * d:
         raise ConfigError(
             f"scaling.num_workers={cfg.scaling.num_workers} must equal strategy.stages × "
@@ -324,7 +404,7 @@ def _validate_pipeline(cfg: JobConfig) -> None:
             f"strategy.virtual_stages={v} is out of range for strategy.schedule={s.schedule}; "
             "allowed: 0 or 2 (the V shape puts exactly two stages on each rank)"
         )
-    if p * v > m.n_layer:
+    if m.kind == "gpt" and p * v > m.n_layer:
         raise ConfigError(
             f"model.n_layer={m.n_layer} cannot be split into strategy.stages × virtual_stages "
             f"= {p} × {v} = {p * v} stages of at least one block; allowed: n_layer >= {p * v}"
@@ -385,6 +465,8 @@ def _validate_parameter_server(cfg: JobConfig) -> None:
             f"optim.grad_clip={cfg.optim.grad_clip} is not supported with strategy.kind=ps "
             "(no shard sees the whole gradient); set optim.grad_clip=0"
         )
+    if cfg.model.kind not in BUILTIN_MODEL_KINDS:
+        return  # counted when the model is built, before Ray starts (runtime/preflight.py)
     tensors = _parameter_tensors(cfg)
     if s.num_shards > tensors:
         raise ConfigError(
@@ -415,7 +497,7 @@ def _validate_deepspeed_pipeline(cfg: JobConfig) -> None:
             "is not what strategy.engine=deepspeed runs; allowed: schedule 1f1b with one "
             "stage per rank (DeepSpeed's PipelineEngine has its own 1F1B-style schedule)"
         )
-    if s.stages > m.n_layer:
+    if m.kind == "gpt" and s.stages > m.n_layer:
         raise ConfigError(
             f"model.n_layer={m.n_layer} cannot be split into strategy.stages={s.stages} "
             f"stages of at least one block; allowed: n_layer >= {s.stages}"
@@ -545,7 +627,7 @@ def _validate_cross_section(cfg: JobConfig) -> None:
         )
 
 
-def _require(key: str, ok: bool, value: float, allowed: str) -> None:
+def _require(key: str, ok: bool, value: object, allowed: str) -> None:
     """Raise unless `ok`; a non-finite float never passes a range check."""
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{key}={show(value)} is not a finite number; allowed: {allowed}")

@@ -350,7 +350,7 @@ class PsWorkerTelemetry(_Tagged):
             enabled=ray_connected(),
             every_steps=cfg.log.every_steps,
             samples_per_step=samples,
-            tokens_per_step=samples * cfg.model.block_size,
+            tokens_per_step=samples * cfg.tokens_per_sample,
         )
 
     @_best_effort

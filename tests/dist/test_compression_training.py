@@ -71,8 +71,9 @@ def events(out: Path) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("kind", ["topk", "powersgd"])
 def test_killed_worker_resumes_compressed_training_bitwise(kind: str, tmp_path: Path) -> None:
-    run_processes(config_from_dict(spec(tmp_path / "a", kind, steps=20)), world_size=2,
-                  out_dir=tmp_path / "a")
+    run_processes(
+        config_from_dict(spec(tmp_path / "a", kind, steps=20)), world_size=2, out_dir=tmp_path / "a"
+    )
     killed = config_from_dict(spec(tmp_path / "b", kind, steps=20, kill=13))
     with pytest.raises(Exception, match="exit code 17"):
         run_processes(killed, world_size=2, out_dir=tmp_path / "b")

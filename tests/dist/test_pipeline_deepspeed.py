@@ -14,8 +14,17 @@ from trainstack import checkpoint as ckpt
 from trainstack.config import config_from_dict
 from trainstack.models import build_model
 from trainstack.runtime.local import run_processes
-from trainstack.strategies.pipeline_deepspeed import PipelineLayers, pipeline_deepspeed_config
-from trainstack.strategies.pipeline_split import split_stages
+from trainstack.strategies.pipeline_deepspeed import (
+    TiedWeight,
+    deepspeed_layers,
+    pipeline_deepspeed_config,
+)
+from trainstack.strategies.pipeline_split import (
+    StageModule,
+    model_layers,
+    split_stages,
+    tied_parameters,
+)
 
 STEPS = 10
 MICROBATCHES = 4
@@ -31,12 +40,20 @@ def spec(
     micro: int | None = None,
     zero_stage: int = 0,
     kill: int | None = None,
+    checkpointing: bool = False,
 ) -> dict[str, Any]:
     """The acceptance setup: GPT 4 × 32, global batch 16, AdamW 1e-2, warmup 2, clip 1.0."""
     pipeline = kind == "pipeline"
     raw: dict[str, Any] = {
         "name": "dspipe",
-        "model": {"kind": "gpt", "n_layer": 4, "n_head": 2, "n_embd": 32, "block_size": 16},
+        "model": {
+            "kind": "gpt",
+            "n_layer": 4,
+            "n_head": 2,
+            "n_embd": 32,
+            "block_size": 16,
+            "activation_checkpointing": checkpointing,
+        },
         "data": {"vocab_size": 16, "order": 1, "eval_samples": 32},
         "train": {
             "steps": STEPS,
@@ -99,6 +116,7 @@ LAYOUTS = {
     "2x2": {"stages": 2, "data_parallel": 2},
     "4x1": {"stages": 4, "data_parallel": 1},
     "2x2-zero1": {"stages": 2, "data_parallel": 2, "zero_stage": 1},
+    "2x1-checkpointed": {"stages": 2, "data_parallel": 1, "checkpointing": True},
 }
 
 
@@ -149,13 +167,23 @@ def test_config_derives_the_pipeline_keys_and_merges_raw_deepspeed_keys_last(
 def test_layers_are_cut_where_the_torch_engine_cuts(stages: int) -> None:
     cfg = config_from_dict(spec(Path("unused"), stages=stages))
     model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=0)
-    split = split_stages(model, stages)
-    layers = PipelineLayers.of(model, split)
-    for s, blocks in enumerate(split.blocks):
-        held = range(layers.parts[s], layers.parts[s + 1])
-        names = {layers.prefixes[i] for i in held if i in layers.prefixes}
-        assert {f"blocks.{b}." for b in blocks} <= names
-        assert ("" in names) == (s == 0) and ("ln_f." in names) == (s == stages - 1)
+    layers = model_layers(model)
+    split = split_stages(layers, stages)
+    ties = tied_parameters(model, layers, split)
+    assert [(t.name, t.stages) for t in ties] == [("tok_emb.weight", (0, stages - 1))]
+    for s in range(stages):
+        stage = StageModule(model, layers, split.layers[s])
+        specs, parts = deepspeed_layers(stage, stage_index=s, split=split, ties=ties)
+        # Stage s is its StageModule, then the tie's spec on the first and the last stage.
+        assert parts == [0, 2, *(2 + i for i in range(1, stages - 1)), stages + 2]
+        assert specs[parts[s]] is stage
+        tied = specs[parts[s] + 1 : parts[s + 1]]
+        assert len(tied) == (s in (0, stages - 1))
+        for spec_ in tied:
+            copy = spec_.build()
+            assert isinstance(copy, TiedWeight)
+            name = "tok_emb.weight" if s == 0 else "lm_head.weight"
+            assert copy.weight is dict(stage.state_dict(keep_vars=True))[name]
     # DeepSpeed numbers ranks as trainstack does: global rank = pp_rank × d + dp_rank.
     topology = PipeDataParallelTopology(num_pp=stages, num_dp=2)
     assert [topology.get_rank(pipe=i, data=j) for i in range(stages) for j in range(2)] == list(
@@ -190,7 +218,7 @@ def test_run_metrics_report_the_split_and_each_stage(runs: Runs) -> None:
     run = runs.get("2x1")
     cfg = config_from_dict(run.raw)
     model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.train.seed)
-    split = split_stages(model, 2)
+    split = split_stages(model_layers(model), 2)
     metrics = run.summary["pipeline"]
     assert metrics["split"] == split.describe()
     assert metrics["params_per_stage"] == list(split.params)
@@ -210,6 +238,16 @@ def test_run_metrics_report_the_split_and_each_stage(runs: Runs) -> None:
         "rng/rank_00000.pt",
         "rng/rank_00001.pt",
     }
+
+
+def test_activation_checkpointing_from_the_model_keeps_less_in_deepspeeds_stages(
+    runs: Runs,
+) -> None:
+    """`build_model` checkpoints the GPT's blocks; the stages DeepSpeed runs keep that."""
+    plain = runs.get("2x1").summary["pipeline"]["activation_peak_bytes_per_stage"]
+    checkpointed = runs.get("2x1-checkpointed").summary["pipeline"]
+    peaks = checkpointed["activation_peak_bytes_per_stage"]
+    assert all(on < off / 3 for on, off in zip(peaks, plain, strict=True)), (peaks, plain)
 
 
 @pytest.mark.parametrize("layout", ["2x2", "2x2-zero1"])

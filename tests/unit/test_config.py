@@ -164,7 +164,9 @@ def test_wrong_type_names_key_value_and_type() -> None:
 
 
 def test_section_that_is_not_a_mapping_is_rejected() -> None:
-    assert error_of({"model": 3}).startswith("model: expected a mapping with keys kind, n_layer")
+    assert error_of({"model": 3}).startswith(
+        "model: expected a mapping with keys kind, target, args"
+    )
     assert error_of([1, 2]).startswith("job spec: expected a mapping")
 
 

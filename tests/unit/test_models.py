@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from trainstack.config import ConfigError, ModelConfig
-from trainstack.models import GPT, MODELS, TrainableModel, WindowMLP, build_model
+from trainstack.models import GPT, MODELS, WindowMLP, build_model, pipeline_layers
 
 VOCAB = 37
 GPT_CFG = ModelConfig(kind="gpt", n_layer=3, n_head=4, n_embd=32, block_size=16)
@@ -26,7 +26,7 @@ def test_models_dict_names_both_families() -> None:
 @pytest.mark.parametrize("cfg", [GPT_CFG, MLP_CFG], ids=["gpt", "mlp"])
 def test_forward_maps_tokens_to_logits_over_vocab(cfg: ModelConfig) -> None:
     model = build_model(cfg, vocab_size=VOCAB, seed=0)
-    assert isinstance(model, TrainableModel)
+    assert isinstance(model, nn.Module)
     idx = torch.randint(0, VOCAB, (3, cfg.block_size))
     logits = model(idx)
     assert logits.shape == (3, cfg.block_size, VOCAB)
@@ -63,16 +63,25 @@ def test_gpt_head_is_tied_to_token_embedding() -> None:
     assert model.lm_head.weight is model.tok_emb.weight
 
 
-def test_gpt_pipeline_pieces_compose_to_forward() -> None:
+def test_gpt_pipeline_layers_compose_to_forward_and_hold_the_models_modules() -> None:
     model = build_model(GPT_CFG, vocab_size=VOCAB, seed=0).eval()
-    assert isinstance(model, GPT)
+    layers = pipeline_layers(model)
+    assert layers is not None and len(layers) == GPT_CFG.n_layer + 2
     idx = torch.randint(0, VOCAB, (2, GPT_CFG.block_size))
-    x = model.embed(idx)
-    for block in model.blocks[:2]:
-        x = block(x)
-    for block in model.blocks[2:]:
-        x = block(x)
-    torch.testing.assert_close(model.logits(x), model(idx))
+    x = idx
+    for layer in layers:
+        x = layer(x)
+    torch.testing.assert_close(x, model(idx))
+    owned = {id(p) for p in model.parameters()}
+    assert all(id(p) in owned for layer in layers for p in layer.parameters())
+    # The tied weight is one Parameter in the first and the last layer.
+    assert layers[0].tok_emb.weight is layers[-1].lm_head.weight
+
+
+def test_a_sequential_is_its_own_pipeline_layers_and_other_modules_have_none() -> None:
+    seq = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+    assert pipeline_layers(seq) == list(seq)
+    assert pipeline_layers(nn.Linear(2, 2)) is None
 
 
 @pytest.mark.parametrize("cfg", [GPT_CFG, MLP_CFG], ids=["gpt", "mlp"])

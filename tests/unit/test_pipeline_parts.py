@@ -1,60 +1,71 @@
 """The pieces of the pipeline strategy that need no process group: the stage split,
-stage modules, the activation meter, activation checkpointing, and spec validation."""
+stage modules and their names, ties, the pre-flight check, the activation meter,
+activation checkpointing, and spec validation."""
 
 from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from trainstack.config import ConfigError, ModelConfig, config_from_dict
-from trainstack.models.gpt import GPT
-from trainstack.strategies.base import next_token_loss
+from trainstack.models import build_model
 from trainstack.strategies.pipeline_probe import (
+    BoundaryMeter,
     SavedActivationMeter,
     simulated_bubble,
     single_stage_orders,
 )
 from trainstack.strategies.pipeline_split import (
     StageModule,
+    check_pipeline_model,
+    model_layers,
     split_stages,
     stage_ranks,
-    unit_params,
+    tied_parameters,
 )
 
 
-def gpt(n_layer: int = 6, vocab_size: int = 64, **kw: Any) -> GPT:
-    torch.manual_seed(0)
+def gpt(n_layer: int = 6, vocab_size: int = 64, **kw: Any) -> nn.Module:
     cfg = ModelConfig(n_layer=n_layer, n_head=2, n_embd=32, block_size=16, **kw)
-    return GPT(cfg, vocab_size=vocab_size)
+    return build_model(cfg, vocab_size=vocab_size, seed=0)
+
+
+def layer_params(model: nn.Module) -> list[int]:
+    return [sum(p.numel() for p in layer.parameters()) for layer in model_layers(model)]
 
 
 def test_split_minimises_the_largest_stage_counting_embedding_and_head() -> None:
     model = gpt(n_layer=6, vocab_size=1024)  # embedding and head each ~2.6 blocks
-    embed, blocks, head = unit_params(model)
-    split = split_stages(model, 3)
-    assert [len(r) for r in split.blocks] == [1, 4, 1]  # the ends carry embedding and head
+    embed, *blocks, head = layer_params(model)  # the head's weight is the embedding's
+    split = split_stages(model_layers(model), 3)
+    assert [len(r) for r in split.layers] == [2, 4, 2]  # the ends carry embedding and head
     assert split.params == (embed + blocks[0], sum(blocks[1:5]), blocks[5] + head)
-    # No other cut of six blocks into three non-empty stages has a smaller largest stage.
+    # No other cut of the eight layers into three non-empty stages has a smaller largest.
+    sizes = [embed, *blocks, head]
     best = min(
-        max(embed + sum(blocks[:i]), sum(blocks[i:j]), sum(blocks[j:]) + head)
-        for i in range(1, 5)
-        for j in range(i + 1, 6)
+        max(sum(sizes[:i]), sum(sizes[i:j]), sum(sizes[j:]))
+        for i in range(1, 7)
+        for j in range(i + 1, 8)
     )
     assert max(split.params) == best
-    assert "stage 0: embedding + blocks 0-0" in split.describe()
+    assert split.describe().startswith(
+        f"stage 0: layers 0-1 = GPTEmbedding + Block ({split.params[0]:,} params); "
+        "stage 1: layers 2-5 = 4 × Block"
+    )
 
 
-def test_split_allows_uneven_layer_counts_and_one_block_per_stage() -> None:
-    split = split_stages(gpt(n_layer=5), 5)
-    assert [list(r) for r in split.blocks] == [[0], [1], [2], [3], [4]]
+def test_split_allows_one_layer_per_stage() -> None:
+    split = split_stages(model_layers(gpt(n_layer=3)), 5)
+    assert [list(r) for r in split.layers] == [[0], [1], [2], [3], [4]]
 
 
 def test_stage_modules_chained_equal_the_model_and_own_its_parameter_names() -> None:
     model = gpt(n_layer=4)
-    split = split_stages(model, 4)
-    stages = [
-        StageModule(model, blocks=r, first=s == 0, last=s == 3) for s, r in enumerate(split.blocks)
-    ]
+    layers = model_layers(model)
+    split = split_stages(layers, 4)
+    stages = [StageModule(model, layers, r) for r in split.layers]
     idx = torch.randint(0, 64, (2, 16))
     x = idx
     for stage in stages:
@@ -64,8 +75,156 @@ def test_stage_modules_chained_equal_the_model_and_own_its_parameter_names() -> 
     for stage in stages:
         merged.update(stage.state_dict())
     assert merged.keys() == model.state_dict().keys()
-    # Stages are copies: training one leaves the model alone.
-    assert stages[0].tok_emb.weight.data_ptr() != model.tok_emb.weight.data_ptr()
+    assert "tok_emb.weight" in stages[0].state_dict()
+    assert "lm_head.weight" in stages[-1].state_dict()
+    assert "blocks.2.attn.c_attn.weight" in stages[2].state_dict()
+    # Stages are copies: no tensor shares storage with the model.
+    model_storage = {t.untyped_storage().data_ptr() for t in model.state_dict().values()}
+    for stage in stages:
+        assert not any(
+            t.untyped_storage().data_ptr() in model_storage for t in stage.state_dict().values()
+        )
+
+
+def test_stage_modules_load_the_models_names_back() -> None:
+    model = gpt(n_layer=2)
+    layers = model_layers(model)
+    split = split_stages(layers, 2)
+    stages = [StageModule(model, layers, r) for r in split.layers]
+    other = gpt(n_layer=2, dropout=0.0)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    full = other.state_dict()
+    for stage in stages:
+        stage.load_state_dict({name: full[name] for name in stage.state_dict()})
+        for name, value in stage.state_dict().items():
+            assert torch.equal(value, full[name]), name
+    # A key of another stage is unexpected, strictly.
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        stages[0].load_state_dict(full)
+
+
+class Embed(nn.Module):
+    def __init__(self, embed: nn.Embedding) -> None:
+        super().__init__()
+        self.embed = embed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.embed(x)
+
+
+class Head(nn.Module):
+    """Reads the embedding's weight directly: a tie held as a bare parameter."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class TiedMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.hidden = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.out_weight = self.embed.weight
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return [Embed(self.embed), *self.hidden, Head(self.embed.weight)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.pipeline_layers():
+            x = layer(x)
+        return x
+
+
+def test_a_user_models_stages_use_its_names_and_find_its_tie() -> None:
+    torch.manual_seed(0)
+    model = TiedMLP()
+    layers = model_layers(model)
+    split = split_stages(layers, 3)
+    ties = tied_parameters(model, layers, split)
+    assert [(t.name, t.stages, t.uses) for t in ties] == [
+        ("out_weight", (0, 2), ((0, "embed.weight"), (4, "weight")))
+    ]
+    stages = [StageModule(model, layers, r) for r in split.layers]
+    # The head holds the tensor itself: it is named by every key the model has for it.
+    assert set(stages[-1].state_dict()) >= {"embed.weight", "out_weight"}
+    merged: dict[str, torch.Tensor] = {}
+    for stage in stages:
+        merged.update(stage.state_dict())
+    assert merged.keys() == model.state_dict().keys()
+    copy = stages[-1].parameter(layer=4, name="weight")
+    assert torch.equal(copy, model.embed.weight) and copy is not model.embed.weight
+
+
+def test_sequential_cnn_is_its_own_layers_and_its_stages_keep_its_names() -> None:
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 8 * 8, 3)
+    )
+    layers = model_layers(model)
+    split = split_stages(layers, 2)
+    stages = [StageModule(model, layers, r) for r in split.layers]
+    assert [set(s.state_dict()) for s in stages] == [{"0.weight", "0.bias"}, {"3.weight", "3.bias"}]
+    meter = BoundaryMeter(stages[0])
+    x = torch.randn(2, 1, 8, 8)
+    torch.testing.assert_close(stages[1](stages[0](x)), model(x), rtol=0, atol=0)
+    assert meter.output_bytes == 2 * 4 * 8 * 8 * 4  # what crosses the cut: [2, 4, 8, 8] floats
+    assert meter.input_grad_bytes == 2 * 1 * 8 * 8 * 4
+
+
+def pipeline_cfg(**strategy: Any) -> Any:
+    return config_from_dict(pipeline_spec(**strategy))
+
+
+def test_check_pipeline_model_refuses_a_model_without_layers() -> None:
+    class Plain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+
+    with pytest.raises(ConfigError) as info:
+        check_pipeline_model(pipeline_cfg(), Plain())
+    assert str(info.value) == (
+        "strategy.kind=pipeline: the model (Plain) has neither pipeline_layers() nor is an "
+        "nn.Sequential; add a pipeline_layers() method returning its layers in order"
+    )
+
+
+def test_check_pipeline_model_refuses_fewer_layers_than_stages() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
+    check_pipeline_model(pipeline_cfg(stages=3), model)
+    cfg = pipeline_cfg(stages=2, schedule="interleaved", virtual_stages=2)
+    with pytest.raises(ConfigError) as info:
+        check_pipeline_model(cfg, model)
+    assert str(info.value) == (
+        "strategy.stages × virtual_stages = 2 × 2 = 4 pipeline stages need a layer each, but "
+        "Sequential has 3 pipeline layers; use at most 3 stages or split the model into more "
+        "layers"
+    )
+
+
+def test_check_pipeline_model_refuses_layers_that_leave_out_or_add_state() -> None:
+    class Partial(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.unused = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def pipeline_layers(self) -> list[nn.Module]:
+            return [self.a, self.b]
+
+    with pytest.raises(ConfigError, match=r"none of its 2 pipeline layers holds \(2 keys: "):
+        check_pipeline_model(pipeline_cfg(), Partial())
+
+    class Foreign(Partial):
+        def pipeline_layers(self) -> list[nn.Module]:
+            return [self.a, self.b, self.unused, nn.Linear(2, 2)]
+
+    with pytest.raises(ConfigError, match=r"pipeline layer 3 \(Linear\) holds 'weight', which"):
+        check_pipeline_model(pipeline_cfg(), Foreign())
 
 
 def test_v_placement_folds_the_chain_back_onto_rank_zero() -> None:
@@ -92,11 +251,11 @@ def test_1f1b_order_keeps_at_most_p_minus_rank_forwards_in_flight() -> None:
         assert peak == 4 - rank
 
 
-def saved_bytes(model: GPT, idx: torch.Tensor) -> tuple[int, dict[str, torch.Tensor]]:
+def saved_bytes(model: nn.Module, idx: torch.Tensor) -> tuple[int, dict[str, torch.Tensor]]:
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     meter = SavedActivationMeter(exclude=params)
     with meter.recording():
-        loss = next_token_loss(model(idx), idx)
+        loss = F.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
     held = meter.live_bytes
     loss.backward()
     assert meter.live_bytes == 0  # every saved tensor released after backward
@@ -105,15 +264,20 @@ def saved_bytes(model: GPT, idx: torch.Tensor) -> tuple[int, dict[str, torch.Ten
 
 
 def test_activation_checkpointing_same_gradients_less_saved_memory() -> None:
+    """`build_model` checkpoints the blocks, and a stage's deep copy keeps that."""
     idx = torch.randint(0, 64, (4, 16))
     plain_bytes, plain = saved_bytes(gpt(n_layer=4), idx)
-    ckpt_bytes, ckpt = saved_bytes(gpt(n_layer=4, activation_checkpointing=True), idx)
+    checkpointed = gpt(n_layer=4, activation_checkpointing=True)
+    ckpt_bytes, ckpt = saved_bytes(checkpointed, idx)
     for name in plain:
         torch.testing.assert_close(ckpt[name], plain[name], rtol=0, atol=0)
     # A block's input (B×T×C floats) is what checkpointing keeps of each block.
     block_input = 4 * 16 * 32 * 4
     assert ckpt_bytes < plain_bytes / 3
     assert ckpt_bytes >= 4 * block_input
+    layers = model_layers(checkpointed)
+    stage = StageModule(checkpointed, layers, range(len(layers)))
+    assert saved_bytes(stage, idx)[0] == ckpt_bytes
 
 
 def pipeline_spec(**strategy: Any) -> dict[str, Any]:
@@ -209,10 +373,10 @@ def test_pipeline_refuses_bf16_for_now(engine: str) -> None:
     assert error_of(raw).startswith("train.precision=bf16 is not supported with strategy.kind")
 
 
-def test_pipeline_needs_a_gpt() -> None:
+def test_pipeline_refuses_the_mlp_which_has_no_layers() -> None:
     raw = pipeline_spec()
     raw["model"]["kind"] = "mlp"
-    assert error_of(raw) == "strategy.kind=pipeline splits a gpt model; got model.kind=mlp"
+    assert error_of(raw).startswith("strategy.kind=pipeline cuts a model into its pipeline layers")
 
 
 def test_shipped_pipeline_job_is_the_demo_on_a_two_stage_pipeline() -> None:

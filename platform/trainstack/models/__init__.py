@@ -1,55 +1,135 @@
-"""Models: an explicit name -> class dict and a seeded builder.
+"""Models: the built-in ones (an explicit name -> class dict), your own module
+(`custom`), Hugging Face causal LMs (`hf`), and a seeded builder for all of them.
 
-Every model maps `idx[B, T]` (token ids) to `logits[B, T, vocab]`, is causal, and
-reports its parameter count and training FLOPs per token (for MFU).
+A model is any `nn.Module`: for `task.kind: lm` it maps token ids `[B, T]` to logits
+`[B, T, V]`, for `classify` inputs to `[B, C]`. Optional abilities, each a method the
+model may have:
+
+- `pipeline_layers() -> list[nn.Module]`: modules applied in order (the first takes
+  the inputs, the last returns the outputs), where a pipeline may cut the model and
+  whose repeated blocks activation checkpointing wraps. An `nn.Sequential` is its
+  own layers.
+- `flops_per_token() -> int`: training FLOPs per token (per sample for classify);
+  without it they are counted once on one micro-batch (models/flops.py).
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import types
+from collections import Counter
+from typing import Any
 
 import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from trainstack.config import ConfigError, ModelConfig
 from trainstack.models.gpt import GPT
 from trainstack.models.mlp import WindowMLP
 
-
-@runtime_checkable
-class TrainableModel(Protocol):
-    """What the training loop and the metrics need from a model."""
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids [B, T] -> logits [B, T, vocab]; position t sees tokens <= t."""
-        ...
-
-    def num_params(self) -> int:
-        """Parameters, each shared tensor counted once."""
-        ...
-
-    def flops_per_token(self) -> int:
-        """Training FLOPs (forward + backward) per token."""
-        ...
-
-
 Model = GPT | WindowMLP
-"""Every model trainstack builds: an `nn.Module` that is also a `TrainableModel`."""
+"""The built-in models."""
 
 MODELS: dict[str, type[Model]] = {"gpt": GPT, "mlp": WindowMLP}
 
 
-def build_model(cfg: ModelConfig, *, vocab_size: int, seed: int) -> Model:
+def build_model(cfg: ModelConfig, *, vocab_size: int, seed: int) -> nn.Module:
     """Build `cfg.kind` with weights that depend only on (cfg, vocab_size, seed).
 
     Every rank calling this with the same seed gets identical weights. The global
-    torch RNG is left as it was: the CPU generator is seeded inside `fork_rng`.
+    torch RNG is left as it was: the CPU generator is seeded inside `fork_rng`. With
+    `activation_checkpointing`, the model's repeated blocks recompute their
+    activations in the backward pass.
     """
-    if cfg.kind not in MODELS:
-        allowed = ", ".join(sorted(MODELS))
-        raise ConfigError(f"model.kind: unknown model {cfg.kind!r}; allowed: {allowed}")
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed)
+        model = _construct(cfg, vocab_size=vocab_size)
+    if cfg.activation_checkpointing:
+        blocks = checkpoint_blocks(model, class_names=cfg.checkpoint_modules)
+        if not blocks:
+            raise ConfigError(_no_blocks_message(model, cfg))
+    return model
+
+
+def _construct(cfg: ModelConfig, *, vocab_size: int) -> nn.Module:
+    if cfg.kind in MODELS:
         return MODELS[cfg.kind](cfg, vocab_size=vocab_size)
+    if cfg.kind == "custom":
+        from trainstack.models.custom import build_custom_model
+
+        return build_custom_model(cfg)
+    if cfg.kind == "hf":
+        from trainstack.models.hf import build_hf_model
+
+        return build_hf_model(cfg, vocab_size=vocab_size)
+    allowed = ", ".join([*sorted(MODELS), "custom", "hf"])
+    raise ConfigError(f"model.kind: unknown model {cfg.kind!r}; allowed: {allowed}")
 
 
-__all__ = ["GPT", "MODELS", "Model", "TrainableModel", "WindowMLP", "build_model"]
+def pipeline_layers(model: nn.Module) -> list[nn.Module] | None:
+    """The model's layers in order (its `pipeline_layers()`, or an `nn.Sequential`'s
+    children); None when it has neither."""
+    method = getattr(model, "pipeline_layers", None)
+    if callable(method):
+        layers: list[nn.Module] = list(method())
+        return layers
+    if isinstance(model, nn.Sequential):
+        return list(model)
+    return None
+
+
+def num_params(model: nn.Module) -> int:
+    """Parameters, each shared tensor counted once."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def checkpoint_blocks(model: nn.Module, *, class_names: tuple[str, ...] = ()) -> list[nn.Module]:
+    """Make the model's blocks recompute their activations in the backward pass; return them.
+
+    The blocks are the modules whose class is named in `class_names`, else the
+    pipeline layers whose class repeats (a GPT's blocks, not its embedding or head).
+    Each block's forward is replaced on the instance by a bound method, which a deep
+    copy (a pipeline stage) rebinds to the copy.
+    """
+    if class_names:
+        blocks = [m for m in model.modules() if type(m).__name__ in class_names]
+    else:
+        layers = pipeline_layers(model) or []
+        counts = Counter(type(layer) for layer in layers)
+        blocks = [layer for layer in layers if counts[type(layer)] > 1]
+    for block in blocks:
+        block.forward = types.MethodType(_checkpointed_forward, block)
+    return blocks
+
+
+def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    inner = type(self).forward.__get__(self)
+    if self.training and torch.is_grad_enabled():
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+    return inner(*args, **kwargs)
+
+
+def _no_blocks_message(model: nn.Module, cfg: ModelConfig) -> str:
+    if cfg.checkpoint_modules:
+        names = sorted({type(m).__name__ for m in model.modules()})
+        return (
+            f"model.checkpoint_modules={list(cfg.checkpoint_modules)} matches no module of "
+            f"{type(model).__name__}; its module classes are: {', '.join(names[:20])}"
+        )
+    return (
+        f"model.activation_checkpointing=true, but {type(model).__name__} has no repeated "
+        "blocks to checkpoint; name their class in model.checkpoint_modules, or give the "
+        "model a pipeline_layers() method"
+    )
+
+
+__all__ = [
+    "GPT",
+    "MODELS",
+    "Model",
+    "WindowMLP",
+    "build_model",
+    "checkpoint_blocks",
+    "num_params",
+    "pipeline_layers",
+]

@@ -2,9 +2,11 @@
 
 Token + learned position embedding, `n_layer` pre-LayerNorm blocks (causal
 self-attention, 4x GELU MLP), a final LayerNorm and an LM head tied to the token
-embedding. The pieces are kept as named attributes (`tok_emb`, `pos_emb`, `blocks`,
-`ln_f`, `lm_head`) so a pipeline split can cut the model into stages: `embed`, a
-slice of `blocks`, then `logits`.
+embedding. The forward pass is `pipeline_layers()` applied in order: the embedding
+(`GPTEmbedding`), each block, then the head (`GPTHead`); a pipeline cuts the model
+along the same layers, so there is one GPT forward. The layers hold the model's own
+submodules (`tok_emb`, `pos_emb`, `blocks`, `ln_f`, `lm_head`), so parameter names
+are the model's wherever a layer runs.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from trainstack.config import ModelConfig
 
@@ -68,6 +69,31 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class GPTEmbedding(nn.Module):
+    """Token + position embedding, then dropout: token ids [B, T] -> [B, T, C]."""
+
+    def __init__(self, *, tok_emb: nn.Embedding, pos_emb: nn.Embedding, drop: nn.Dropout) -> None:
+        super().__init__()
+        self.tok_emb, self.pos_emb, self.drop = tok_emb, pos_emb, drop
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        seq_len = idx.shape[1]
+        assert seq_len <= self.pos_emb.num_embeddings, f"{seq_len} tokens > block_size"
+        pos = torch.arange(seq_len, device=idx.device)
+        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+
+
+class GPTHead(nn.Module):
+    """Final LayerNorm and LM head: [B, T, C] -> logits [B, T, V]."""
+
+    def __init__(self, *, ln_f: nn.LayerNorm, lm_head: nn.Linear) -> None:
+        super().__init__()
+        self.ln_f, self.lm_head = ln_f, lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
 class GPT(nn.Module):
     """Decoder-only transformer: `forward(idx[B, T]) -> logits[B, T, vocab_size]`."""
 
@@ -89,26 +115,16 @@ class GPT(nn.Module):
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token + position embedding (the first pipeline stage): [B, T] -> [B, T, C]."""
-        seq_len = idx.shape[1]
-        assert seq_len <= self.cfg.block_size, f"{seq_len} tokens > block_size"
-        pos = torch.arange(seq_len, device=idx.device)
-        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Final LayerNorm and LM head (the last pipeline stage): [B, T, C] -> [B, T, V]."""
-        return self.lm_head(self.ln_f(x))
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The model as layers applied in order: embedding, each block, head."""
+        embedding = GPTEmbedding(tok_emb=self.tok_emb, pos_emb=self.pos_emb, drop=self.drop)
+        return [embedding, *self.blocks, GPTHead(ln_f=self.ln_f, lm_head=self.lm_head)]
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx)
-        for block in self.blocks:
-            if self.cfg.activation_checkpointing and self.training:
-                # Keep only the block's input; recompute its insides in the backward pass.
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
-        return self.logits(x)
+        x = idx
+        for layer in self.pipeline_layers():
+            x = layer(x)
+        return x
 
     def num_params(self) -> int:
         """Parameters, each tensor counted once (the tied head is the token embedding)."""

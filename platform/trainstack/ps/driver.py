@@ -30,14 +30,14 @@ from trainstack import checkpoint as ckpt
 from trainstack.config import JobConfig, config_to_dict
 from trainstack.data import build_corpus
 from trainstack.data.sharding import eval_batches
-from trainstack.models import build_model
+from trainstack.models import build_model, num_params
 from trainstack.ps.clock import ActorNames, ClockBoard, bound_for
 from trainstack.ps.partition import ShardLayout, partition
 from trainstack.ps.shard import ParameterServerShard
 from trainstack.ps.worker import ParameterServerWorker
 from trainstack.runtime.local import DirectoryCheckpointStore
 from trainstack.runtime.progress import ProgressDisplay
-from trainstack.strategies.base import next_token_loss
+from trainstack.tasks import EvalSums, build_task, eval_mode, evaluate
 
 OWN_RESOURCES = "DEFAULT"
 """The actors reserve their own resources, outside any placement group the driver runs
@@ -134,7 +134,7 @@ def run_parameter_server(
         """The held-out loss of the shards' current parameters."""
         pulled = ray.get([shard.pull.remote() for shard in shards])
         _load_final(model, layouts, [flat for _, flat in pulled])
-        return _held_out_loss(cfg, model)
+        return _held_out(cfg, model).get("eval_loss")
 
     reports = _run_workers(
         cfg,
@@ -225,7 +225,7 @@ def _show_progress(
         "loss": statistics.fmean(progress["recent_loss"])
         if progress["recent_loss"]
         else float("nan"),
-        "tokens_per_s": samples * cfg.model.block_size / elapsed if elapsed else 0.0,
+        "tokens_per_s": samples * cfg.tokens_per_sample / elapsed if elapsed else 0.0,
         "samples_per_s": samples / elapsed if elapsed else 0.0,
         "mfu": None,
         "elapsed_s": elapsed,
@@ -250,10 +250,10 @@ def _load_final(
                 params[name].copy_(value)
 
 
-@torch.no_grad()
-def _held_out_loss(cfg: JobConfig, model: torch.nn.Module) -> float | None:
+def _held_out(cfg: JobConfig, model: torch.nn.Module) -> dict[str, float]:
+    """The task's held-out metrics of `model` (the shards' parameters), on the driver."""
     if cfg.data.eval_samples == 0:
-        return None
+        return {}
     batches = eval_batches(
         build_corpus(cfg.data),
         count=cfg.data.eval_samples,
@@ -262,12 +262,11 @@ def _held_out_loss(cfg: JobConfig, model: torch.nn.Module) -> float | None:
         rank=0,
         world_size=1,
     )
-    model.eval()
-    total = tokens = 0.0
-    for x, y in batches:
-        total += float(next_token_loss(model(x), y)) * y.numel()
-        tokens += y.numel()
-    return total / tokens
+    task = build_task(cfg)
+    restore = eval_mode([model])
+    sums = evaluate(task, model, batches, device=torch.device("cpu"))
+    restore()
+    return EvalSums.of(sums).metrics(task)
 
 
 def _summary(
@@ -284,7 +283,8 @@ def _summary(
     updates = sum(r["version"] for r in shard_reports) / len(shard_reports)
     clocks = board_report["clocks"]
     samples = sum(clocks) * cfg.train.global_batch_size / cfg.scaling.num_workers
-    eval_loss = _held_out_loss(cfg, model)
+    evaluation = _held_out(cfg, model)
+    eval_loss = evaluation.get("eval_loss")
     sent = sum(r["bytes_sent"] for r in reports)
     dense = sum(r["dense_bytes"] for r in reports)
     corpus = build_corpus(cfg.data)
@@ -295,13 +295,15 @@ def _summary(
         "steps": min(clocks),
         "final_loss": eval_loss if eval_loss is not None else float("nan"),
         "eval_loss": eval_loss,
+        **evaluation,
+        "task": cfg.task.kind,
         "entropy_floor": corpus.loss_floor(cfg.model.block_size),
-        "tokens_per_s": samples * cfg.model.block_size / train_s,
+        "tokens_per_s": samples * cfg.tokens_per_sample / train_s,
         "samples_per_s": samples / train_s,
         "mfu": None,
         "peak_mem_bytes": max(r["peak_mem_bytes"] for r in reports),
         "train_s": train_s,
-        "params": model.num_params(),
+        "params": num_params(model),
         "restarts": sum(board_report["worker_restarts"]) + len(board_report["shard_losses"]),
         "ps": {
             "consistency": s.consistency,
@@ -340,8 +342,9 @@ def _save_final(cfg: JobConfig, model: Any, *, run_dir: Path, summary: dict[str,
         manifest = ckpt.build_manifest(
             step=step,
             samples_seen=step * cfg.train.global_batch_size,
-            tokens_seen=step * cfg.train.global_batch_size * cfg.model.block_size,
+            tokens_seen=step * cfg.train.global_batch_size * cfg.tokens_per_sample,
             spec=config_to_dict(cfg),
+            model_shapes=ckpt.parameter_shapes(model),
             strategy="ps",
             world_size=cfg.scaling.num_workers,
             files=entries,

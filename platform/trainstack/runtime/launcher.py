@@ -29,6 +29,7 @@ from ray.util.queue import Empty, Queue
 from trainstack import checkpoint as ckpt
 from trainstack.config import JobConfig, config_from_dict, config_to_dict
 from trainstack.runtime.loop import train
+from trainstack.runtime.preflight import preflight
 from trainstack.runtime.progress import ProgressDisplay
 from trainstack.strategies import WorkerContext
 from trainstack.telemetry import RunTelemetry
@@ -81,6 +82,9 @@ class FailureWatch(ray.train.UserCallback):
 def worker_env(cfg: JobConfig) -> dict[str, str]:
     """Environment the workers need that a `ray start` cluster would not give them."""
     env: dict[str, str] = {}
+    user_paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if user_paths:  # where the user's model and loss code lives (model.target, task.loss)
+        env["PYTHONPATH"] = os.pathsep.join(str(Path(p).resolve()) for p in user_paths)
     if cfg.strategy.kind == "zero":  # DeepSpeed's JIT-built ops (cpu_adam): build once, reuse
         cache = os.environ.get("TORCH_EXTENSIONS_DIR") or ".cache/torch_extensions"
         env["TORCH_EXTENSIONS_DIR"] = str(Path(cache).resolve())
@@ -200,14 +204,16 @@ def run_job(
     `on_record` sees every log record and run event as the driver receives it;
     `tracking_tags` go on a new MLflow run (a sweep's trials name their parent run).
 
-    Raises CheckpointError before anything starts when the checkpoints to resume from
-    do not verify, and RunFailedError when the worker group fails for good.
+    Raises ConfigError before anything starts when pre-flight finds the job cannot run
+    (runtime/preflight.py), CheckpointError when the checkpoints to resume from do not
+    verify or hold another model, and RunFailedError when the worker group fails for good.
     """
     wall_start = time.perf_counter()
+    report = preflight(cfg)
     run_dir = ckpt.run_dir_for(cfg)
     start = ckpt.find_start(run_dir, resume_from=resume_from, on_corrupt=cfg.checkpoint.on_corrupt)
     if start is not None:
-        ckpt.check_same_model(start, cfg)
+        ckpt.check_same_model(start, report.shapes)
     if start is not None and start.step >= cfg.train.steps:
         summary = dict(start.manifest["metrics"])
         summary.update(

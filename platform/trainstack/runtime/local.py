@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from trainstack import checkpoint as ckpt
 from trainstack.config import JobConfig, config_from_dict, config_to_dict
 from trainstack.runtime.loop import train
+from trainstack.runtime.preflight import preflight
 from trainstack.strategies import WorkerContext
 
 
@@ -66,7 +67,7 @@ def run_processes(
         ckpt.run_dir_for(cfg), resume_from=resume_from, on_corrupt=cfg.checkpoint.on_corrupt
     )
     if start is not None:
-        ckpt.check_same_model(start, cfg)
+        ckpt.check_same_model(start, preflight(cfg).shapes)
     args = (config_to_dict(cfg), world_size, free_port(), str(out_dir), resume_from)
     if world_size == 1 and not cfg.faults.kill_at_steps and not cfg.faults.random_kills:
         _worker(0, *args)  # in-process: no start-up cost for single-process references

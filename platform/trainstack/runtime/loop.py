@@ -22,10 +22,12 @@ from trainstack.config import JobConfig, config_to_dict
 from trainstack.data import build_corpus
 from trainstack.data.sharding import DataCursor, ShardedBatches, eval_batches
 from trainstack.metrics import ThroughputMeter, device_peak_flops, mfu, peak_memory_bytes
-from trainstack.models import build_model
+from trainstack.models import build_model, num_params
+from trainstack.models.flops import flops_per_token as training_flops_per_token
 from trainstack.runtime.faults import FaultInjector
 from trainstack.strategies import Strategy, WorkerContext, build_strategy
 from trainstack.strategies.base import ReportsLayout, StepOutput
+from trainstack.tasks import build_task
 from trainstack.telemetry import RunTelemetry
 
 LogFn = Callable[[dict[str, Any]], None]
@@ -70,10 +72,15 @@ def train(
     entered = time.time()
     torch.set_num_threads(torch_threads(cfg))
     corpus = build_corpus(cfg.data)
+    task = build_task(cfg)
     seq_len = cfg.model.block_size
     model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.train.seed)
-    flops_per_token = model.flops_per_token()
-    num_params = model.num_params()
+    probe = eval_batches(
+        corpus, count=1, seq_len=seq_len, micro_batch_size=1, rank=0, world_size=1
+    )[0]
+    flops_per_token = training_flops_per_token(model, probe, task=task)
+    params = num_params(model)
+    shapes = ckpt.parameter_shapes(model)
 
     strategy = build_strategy(cfg, ctx)
     strategy.setup(model)
@@ -103,7 +110,7 @@ def train(
         cursor=DataCursor(samples_seen=restored.samples_seen if restored else 0),
     )
     meter = ThroughputMeter(
-        tokens_per_step=cfg.train.global_batch_size * seq_len,
+        tokens_per_step=cfg.train.global_batch_size * cfg.tokens_per_sample,
         samples_per_step=cfg.train.global_batch_size,
     )
     peak_flops = device_peak_flops(ctx.device)
@@ -131,14 +138,15 @@ def train(
             step=step,
             samples_seen=batches.cursor.samples_seen,
             metrics=metrics,
+            shapes=shapes,
         )
         telemetry.record_checkpoint(time.perf_counter() - started)
 
-    def held_out_loss() -> float | None:
-        """Mean loss on the held-out samples (a collective); None without them."""
+    def held_out() -> dict[str, float]:
+        """The task's metrics on the held-out samples (a collective); {} without them."""
         if cfg.data.eval_samples == 0:
-            return None
-        held_out = eval_batches(
+            return {}
+        batches = eval_batches(
             corpus,
             count=cfg.data.eval_samples,
             seq_len=seq_len,
@@ -146,8 +154,7 @@ def train(
             rank=ctx.rank % replicas,
             world_size=replicas,
         )
-        loss_sum, tokens = strategy.eval_loss(held_out)
-        return loss_sum / tokens
+        return strategy.evaluate(batches).metrics(task)
 
     if restored is not None and start_step >= cfg.train.steps:
         summary = dict(restored.manifest["metrics"])  # the run had finished: report it again
@@ -183,7 +190,7 @@ def train(
             }
             evals = cfg.log.eval_every_steps
             if evals and done % evals == 0 and done < cfg.train.steps:
-                record["eval_loss"] = held_out_loss()
+                record.update(held_out())
             if ctx.rank == 0:
                 emit(record)
             telemetry.record_step(record)  # every rank: dashboard series tagged by rank
@@ -192,12 +199,15 @@ def train(
             save(done, record or {"step": done})
     train_s = time.perf_counter() - run_start
 
-    eval_loss = held_out_loss()
+    evaluation = held_out()
+    eval_loss = evaluation.get("eval_loss")
     steady = meter.steady_state()
     summary = {
         "final_loss": eval_loss if eval_loss is not None else train_loss,
         "final_train_loss": train_loss,
         "eval_loss": eval_loss,
+        **evaluation,
+        "task": cfg.task.kind,
         "entropy_floor": corpus.loss_floor(seq_len),
         "steps": cfg.train.steps,
         "resumed_from_step": start_step,
@@ -209,7 +219,7 @@ def train(
         "world_size": ctx.world_size,
         "strategy": cfg.strategy.kind,
         "device": ctx.device.type,
-        "params": num_params,
+        "params": params,
         "flops_per_token": flops_per_token,
         "comm_bytes_per_step": strategy.comm_bytes_per_step(),
         "peak_mem_bytes": peak_memory_bytes(ctx.device),
@@ -240,6 +250,7 @@ def _save_checkpoint(
     step: int,
     samples_seen: int,
     metrics: dict[str, Any],
+    shapes: dict[str, list[int]],
 ) -> None:
     """Every rank stages its files; rank 0 adds the manifest listing all of them."""
     with tempfile.TemporaryDirectory(prefix="trainstack-ckpt-") as tmp:
@@ -251,8 +262,9 @@ def _save_checkpoint(
             manifest = ckpt.build_manifest(
                 step=step,
                 samples_seen=samples_seen,
-                tokens_seen=samples_seen * cfg.model.block_size,
+                tokens_seen=samples_seen * cfg.tokens_per_sample,
                 spec=spec,
+                model_shapes=shapes,
                 strategy=strategy.name,
                 world_size=ctx.world_size,
                 files=entries,

@@ -16,9 +16,7 @@ import torch
 from torch import nn
 
 from trainstack.checkpoint import Checkpoint
-
-Batch = tuple[torch.Tensor, torch.Tensor]
-"""One micro-batch: inputs [B, T] and next-token targets [B, T]."""
+from trainstack.tasks import Batch, EvalSums
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,7 +50,7 @@ class StepOutput:
 
 
 class Strategy(Protocol):
-    """One parallelism technique behind the loop's four verbs."""
+    """One parallelism technique: set up, step, evaluate, reduce, save and load."""
 
     name: str
 
@@ -62,8 +60,9 @@ class Strategy(Protocol):
     def train_step(self, micro_batches: list[Batch]) -> StepOutput:
         """Forward/backward every micro-batch (accumulating), then one optimizer step."""
 
-    def eval_loss(self, batches: list[Batch]) -> tuple[float, int]:
-        """Sum of per-token losses and token count over `batches`, summed over the group."""
+    def evaluate(self, batches: list[Batch]) -> EvalSums:
+        """Held-out sums over this rank's `batches`, added over the group (a collective:
+        every rank gets the same)."""
 
     def global_mean(self, value: torch.Tensor) -> float:
         """Mean of a per-rank scalar over the data-parallel group (a collective)."""
@@ -99,11 +98,6 @@ class ReportsLayout(Protocol):
 
     def run_metrics(self) -> dict[str, Any]:
         """Figures for the summary, the same on every rank (a collective)."""
-
-
-def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over every token of the micro-batch."""
-    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def ring_allreduce_bytes(numel: int, *, element_size: int, world_size: int) -> int:

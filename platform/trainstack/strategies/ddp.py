@@ -25,11 +25,11 @@ from trainstack.strategies.base import (
     StepOutput,
     WorkerContext,
     fast_forward_schedule,
-    next_token_loss,
     ring_allreduce_bytes,
     storage_bytes,
     tensors_in,
 )
+from trainstack.tasks import EvalSums, build_task, eval_mode, evaluate
 
 
 class DDPStrategy:
@@ -43,6 +43,7 @@ class DDPStrategy:
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self._peak_grad_bytes = 0
         self.compression: CompressionState | None = None
+        self.task = build_task(cfg)
 
     def setup(self, model: nn.Module) -> None:
         model.to(self.ctx.device)
@@ -81,7 +82,7 @@ class DDPStrategy:
             skip_sync = isinstance(self.model, DistributedDataParallel) and not last
             with self.model.no_sync() if skip_sync else contextlib.nullcontext():  # type: ignore[operator]
                 with self._autocast():
-                    loss = next_token_loss(self.model(x), y)
+                    loss = self.task.loss(self.model(x), y, inputs=x)
                 (loss / accum).backward()
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             self._peak_grad_bytes = max(self._peak_grad_bytes, storage_bytes(grads))
@@ -102,21 +103,19 @@ class DDPStrategy:
             compression_ratio=stats.ratio,
         )
 
-    @torch.no_grad()
-    def eval_loss(self, batches: list[Batch]) -> tuple[float, int]:
+    def evaluate(self, batches: list[Batch]) -> EvalSums:
         model = self.unwrapped_model()
-        model.eval()
-        sums = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
-        for x, y in batches:
-            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+        restore = eval_mode([model])
+
+        def forward(x: torch.Tensor) -> Any:
             with self._autocast():
-                loss = next_token_loss(model(x), y)
-            sums[0] += loss.double() * y.numel()
-            sums[1] += y.numel()
-        model.train()
+                return model(x)
+
+        sums = evaluate(self.task, forward, batches, device=self.ctx.device)
+        restore()
         if self.ctx.is_distributed:
             dist.all_reduce(sums)
-        return float(sums[0]), int(sums[1])
+        return EvalSums.of(sums)
 
     def global_mean(self, value: torch.Tensor) -> float:
         value = value.detach().to(self.ctx.device, torch.float64).clone()

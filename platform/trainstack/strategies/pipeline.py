@@ -3,19 +3,25 @@
 Layout: `p = strategy.stages` pipeline ranks times `d = strategy.data_parallel`
 replicas; global rank = pp_rank × d + dp_rank. Each replica is a pipeline over the
 ranks sharing its dp_rank; ranks sharing a pp_rank hold the same stages and average
-their gradients. The GPT is cut into p × v stages (pipeline_split.py) and placed by
-the schedule's style. One step: the replica's batch goes through the schedule as
-`strategy.microbatches` micro-batches; then gradients are made whole and the
-optimizer steps on every rank:
+their gradients. The model is cut along its pipeline layers into p × v stages
+(pipeline_split.py) and placed by the schedule's style; torch's `PipelineStage` infers
+the activations' shapes from the first micro-batch. One step: the replica's batch goes
+through the schedule as `strategy.microbatches` micro-batches, the task's loss on the
+last stage; then gradients are made whole and the optimizer steps on every rank:
 
-1. The tied embedding/LM-head weight lives on the first and on the last stage as two
-   copies; their gradients are summed between the two (what the tied model's backward
-   computes), so both copies take the same update and stay equal.
+1. A parameter that the layers of several stages use (a GPT's tied embedding and LM
+   head) has a copy on each; their gradients are summed over the stages holding them
+   (what the model's backward computes for its one tensor), so the copies take the
+   same update and stay equal. Ties whose stages sit on the same set of ranks share
+   one all-reduce per step.
 2. Gradients are averaged over the replicas with one flat all-reduce per rank: an
    explicit reduction after the schedule, because DDP or FSDP wrapped around stage
    modules is wrong or fails under several schedules.
-3. The global gradient norm (the tied weight counted once) is summed over the
+3. The global gradient norm (each tied parameter counted once) is summed over the
    pipeline, clipped as `clip_grad_norm_` does, and every rank steps its optimizer.
+
+Activation checkpointing needs nothing here: `build_model` makes the model's blocks
+recompute themselves, and the stages' deep copies keep that.
 
 Schedules: `gpipe`, `1f1b`, `interleaved` (Interleaved1F1B), `zb_interleaved`
 (InterleavedZeroBubble), `zbv` (ZBVZeroBubble) and `dualpipev` (DualPipeV).
@@ -25,7 +31,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,19 +41,18 @@ from torch.distributed.pipelining import schedules
 
 from trainstack.checkpoint import Checkpoint, rank_file, stage_file
 from trainstack.config import JobConfig, config_from_dict
-from trainstack.models.gpt import GPT
 from trainstack.runtime.optim import build_optimizer, build_scheduler, scaled_lr
 from trainstack.strategies.base import (
     Batch,
     StepOutput,
     WorkerContext,
     fast_forward_schedule,
-    next_token_loss,
     ring_allreduce_bytes,
     storage_bytes,
     tensors_in,
 )
 from trainstack.strategies.pipeline_probe import (
+    BoundaryMeter,
     ProbedStage,
     SavedActivationMeter,
     first_replica_figures,
@@ -57,10 +63,17 @@ from trainstack.strategies.pipeline_probe import (
 from trainstack.strategies.pipeline_split import (
     PipelineGrid,
     StageModule,
+    TiedParameter,
+    check_pipeline_model,
     last_stage_mean,
+    model_layers,
+    recv_activation,
+    send_activation,
     split_stages,
     stage_ranks,
+    tied_parameters,
 )
+from trainstack.tasks import EvalSums, build_task, eval_mode, evaluate
 
 SCHEDULES: dict[str, tuple[Callable[..., schedules._PipelineSchedule], str]] = {
     "gpipe": (schedules.ScheduleGPipe, "loop"),
@@ -75,12 +88,24 @@ SCHEDULES: dict[str, tuple[Callable[..., schedules._PipelineSchedule], str]] = {
 _SINGLE_STAGE = ("gpipe", "1f1b")
 
 
+@dataclass(frozen=True, kw_only=True)
+class LocalTie:
+    """A tied parameter as this rank holds it."""
+
+    tie: TiedParameter
+    copies: tuple[nn.Parameter, ...]
+    """This rank's copies, one per stage of it held here."""
+    ranks: tuple[int, ...]
+    """The pipeline ranks holding a copy; one rank: no communication."""
+
+
 class PipelineStrategy:
     name = "pipeline"
 
     def __init__(self, cfg: JobConfig, ctx: WorkerContext) -> None:
         self.cfg = cfg
         self.ctx = ctx
+        self.task = build_task(cfg)
         s = cfg.strategy
         self.grid = PipelineGrid.of(cfg, rank=ctx.rank)
         self.pp_size, self.dp_size = self.grid.pp_size, self.grid.dp_size
@@ -92,7 +117,12 @@ class PipelineStrategy:
         )
         self.stage_ids = [i for i, r in enumerate(self.owners) if r == self.pp_rank]
         self.modules: dict[int, StageModule] = {}
+        self.boundaries: dict[int, BoundaryMeter] = {}
         self.stages: list[ProbedStage] = []
+        self.ties: list[LocalTie] = []
+        self.tie_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self._uncounted: set[int] = set()
+        """ids of this rank's tied copies that the grad norm skips (counted elsewhere)."""
         self.schedule: schedules._PipelineSchedule | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
@@ -104,8 +134,9 @@ class PipelineStrategy:
 
     # ---- layout -------------------------------------------------------------------------
 
-    def _build_groups(self) -> None:
-        """Every rank creates every group, in the same order (torch.distributed's rule)."""
+    def _build_groups(self, ties: list[TiedParameter]) -> None:
+        """Every rank creates every group, in the same order (torch.distributed's rule):
+        the pipelines, the replicas, and one group per set of ranks some tie spans."""
         p, d = self.pp_size, self.dp_size
         for j in range(d):
             group = dist.new_group([i * d + j for i in range(p)])
@@ -115,13 +146,16 @@ class PipelineStrategy:
             group = dist.new_group([i * d + j for j in range(d)])
             if i == self.pp_rank:
                 self.dp_group = group
-        self.tie_group = None
-        if self.owners[0] != self.owners[-1]:
+        for ranks in dict.fromkeys(self._tie_ranks(tie) for tie in ties):
+            if len(ranks) == 1:
+                continue
             for j in range(d):
-                ranks = [self.owners[0] * d + j, self.owners[-1] * d + j]
-                group = dist.new_group(ranks)
-                if j == self.dp_rank:
-                    self.tie_group = group
+                group = dist.new_group([r * d + j for r in ranks])
+                if j == self.dp_rank and self.pp_rank in ranks:
+                    self.tie_groups[ranks] = group
+
+    def _tie_ranks(self, tie: TiedParameter) -> tuple[int, ...]:
+        return tuple(sorted({self.owners[s] for s in tie.stages}))
 
     @property
     def holds_first(self) -> bool:
@@ -134,19 +168,16 @@ class PipelineStrategy:
     # ---- setup --------------------------------------------------------------------------
 
     def setup(self, model: nn.Module) -> None:
-        assert isinstance(model, GPT), "config validation admits only gpt"
-        split = split_stages(model, self.num_stages)
+        check_pipeline_model(self.cfg, model)
+        layers = model_layers(model)
+        split = split_stages(layers, self.num_stages)
         self.split_description = split.describe()
-        self._build_groups()
+        ties = tied_parameters(model, layers, split)
+        self._build_groups(ties)
         for s in self.stage_ids:
-            module = StageModule(
-                model,
-                blocks=split.blocks[s],
-                first=s == 0,
-                last=s == self.num_stages - 1,
-                activation_checkpointing=self.cfg.model.activation_checkpointing,
-            )
-            self.modules[s] = module.to(self.ctx.device)
+            self.modules[s] = StageModule(model, layers, split.layers[s]).to(self.ctx.device)
+            self.boundaries[s] = BoundaryMeter(self.modules[s])
+        self._hold_ties(ties)
         params = {p.untyped_storage().data_ptr() for p in self.unwrapped_model().parameters()}
         self.stages = [
             ProbedStage(
@@ -164,13 +195,28 @@ class PipelineStrategy:
         self.schedule = schedule_class(
             first,
             n_microbatches=self.cfg.strategy.microbatches,
-            loss_fn=next_token_loss,
+            loss_fn=self.task.pipeline_loss,
         )
         lr = scaled_lr(self.cfg.optim, data_parallel_size=self.dp_size)
         self.optimizer = build_optimizer(self.unwrapped_model(), self.cfg.optim, lr=lr)
         self.scheduler = build_scheduler(
             self.optimizer, self.cfg.optim, total_steps=self.cfg.train.steps
         )
+
+    def _hold_ties(self, ties: list[TiedParameter]) -> None:
+        """This rank's copies of each tied parameter; all but the first stage's copy are
+        left out of the grad norm."""
+        for tie in ties:
+            copies = [
+                self.modules[s].parameter(layer=layer, name=name)
+                for s, (layer, name) in zip(tie.stages, tie.uses, strict=True)
+                if s in self.modules
+            ]
+            if not copies:
+                continue
+            self.ties.append(LocalTie(tie=tie, copies=tuple(copies), ranks=self._tie_ranks(tie)))
+            counted = tie.stages[0] in self.modules
+            self._uncounted.update(id(c) for c in copies[1 if counted else 0 :])
 
     def unwrapped_model(self) -> nn.Module:
         """This rank's stages (the full model's names; merge stage files for the whole)."""
@@ -211,23 +257,23 @@ class PipelineStrategy:
         else:
             self._step_s += seconds
 
-    def _tied_pair(self) -> tuple[nn.Parameter | None, nn.Parameter | None]:
-        first = self.modules[0].tok_emb.weight if self.holds_first else None
-        last = self.modules[self.num_stages - 1].lm_head.weight if self.holds_last else None
-        return cast(nn.Parameter | None, first), cast(nn.Parameter | None, last)
-
     def _sum_tied_gradients(self) -> None:
-        first, last = self._tied_pair()
-        if first is not None and last is not None:  # both copies on this rank
-            assert first.grad is not None and last.grad is not None
-            total = first.grad + last.grad
-            first.grad.copy_(total)
-            last.grad.copy_(total)
-            return
-        held = first if first is not None else last
-        if held is not None:
-            assert held.grad is not None
-            dist.all_reduce(held.grad, group=self.tie_group)
+        """Each tied parameter's gradient summed over its copies: first on this rank, then
+        over the ranks holding it, one flat all-reduce per set of ranks."""
+        pending: dict[tuple[int, ...], list[tuple[LocalTie, torch.Tensor]]] = {}
+        for local in self.ties:
+            total = sum((_grad_of(c) for c in local.copies[1:]), _grad_of(local.copies[0]))
+            if len(local.ranks) == 1:
+                _set_grads(local.copies, total)
+            else:
+                pending.setdefault(local.ranks, []).append((local, total))
+        for ranks, items in pending.items():
+            flat = torch.cat([total.reshape(-1) for _, total in items])
+            dist.all_reduce(flat, group=self.tie_groups[ranks])
+            offset = 0
+            for local, total in items:
+                _set_grads(local.copies, flat[offset : offset + total.numel()].view_as(total))
+                offset += total.numel()
 
     def _average_over_replicas(self) -> None:
         if self.dp_size == 1:
@@ -243,10 +289,9 @@ class PipelineStrategy:
 
     def _clip_gradients(self) -> float:
         """Clip by the norm of the whole model's gradient, as `clip_grad_norm_` would."""
-        _, tied_copy = self._tied_pair()
         squares = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
         for p in self._params():
-            if p.grad is not None and p is not tied_copy:  # the tied weight counts once
+            if p.grad is not None and id(p) not in self._uncounted:  # a tie counts once
                 squares += p.grad.float().pow(2).sum()
         dist.all_reduce(squares, group=self.pp_group)
         norm = squares.sqrt()
@@ -259,58 +304,48 @@ class PipelineStrategy:
 
     # ---- evaluation and reductions ------------------------------------------------------
 
-    @torch.no_grad()
-    def eval_loss(self, batches: list[Batch]) -> tuple[float, int]:
-        """Each batch goes through the stages in order, activations passed point to point."""
-        sums = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
-        for module in self.modules.values():
-            module.eval()
-        for x, y in batches:
-            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
-            act = self._eval_forward(x, shape=(*x.shape, self.cfg.model.n_embd))
-            if self.holds_last:
-                loss = next_token_loss(act, y)
-                sums[0] += loss.double() * y.numel()
-                sums[1] += y.numel()
-        for module in self.modules.values():
-            module.train()
+    def evaluate(self, batches: list[Batch]) -> EvalSums:
+        """Each batch goes through the stages in order, activations passed point to point
+        (shapes first: held-out batches may differ from training's); the last stage's
+        ranks add up the task's sums, and every rank gets the total."""
+        restore = eval_mode(self.modules.values())
+        sums = evaluate(self.task, self._eval_forward, batches, device=self.ctx.device)
+        restore()
         dist.all_reduce(sums)
-        return float(sums[0]), int(sums[1])
+        return EvalSums.of(sums)
 
-    def _eval_forward(self, x: torch.Tensor, *, shape: tuple[int, ...]) -> torch.Tensor:
-        act = x
-        for s in range(self.num_stages):
-            owner = self.owners[s]
-            if owner != self.pp_rank:
-                continue
-            if s > 0 and self.owners[s - 1] != owner:
-                act = torch.empty(shape, device=self.ctx.device)
-                dist.recv(act, src=self.grid.global_rank(pp_rank=self.owners[s - 1]))
+    def _eval_forward(self, x: torch.Tensor) -> Any | None:
+        """The model's outputs on the rank holding the last stage; None on the others."""
+        act: Any = x
+        for s in self.stage_ids:
+            if s > 0 and self.owners[s - 1] != self.pp_rank:
+                src = self.grid.global_rank(pp_rank=self.owners[s - 1])
+                act = recv_activation(src=src, device=self.ctx.device)
             act = self.modules[s](act)
-            if s < self.num_stages - 1 and self.owners[s + 1] != owner:
-                dist.send(act.contiguous(), dst=self.grid.global_rank(pp_rank=self.owners[s + 1]))
-        return act
+            if s < self.num_stages - 1 and self.owners[s + 1] != self.pp_rank:
+                send_activation(act, dst=self.grid.global_rank(pp_rank=self.owners[s + 1]))
+        return act if self.holds_last else None
 
     def global_mean(self, value: torch.Tensor) -> float:
         return last_stage_mean(value, holds_last=self.holds_last, replicas=self.dp_size)
 
     def comm_bytes_per_step(self) -> int:
         """Modelled: activations out and their gradients back across every stage boundary
-        between ranks, the gradient all-reduce over replicas, and the tied weight's."""
-        t, m = self.cfg.train, self.cfg.model
-        activation = t.micro_batch_size * m.block_size * m.n_embd * 4
-        crossings = 0
+        between ranks (their sizes as measured in the last training forward), the
+        gradient all-reduce over replicas, and the tied parameters' all-reduces."""
+        activations = 0
         for s in self.stage_ids:
-            crossings += s < self.num_stages - 1 and self.owners[s + 1] != self.pp_rank
-            crossings += s > 0 and self.owners[s - 1] != self.pp_rank
+            if s < self.num_stages - 1 and self.owners[s + 1] != self.pp_rank:
+                activations += self.boundaries[s].output_bytes
+            if s > 0 and self.owners[s - 1] != self.pp_rank:
+                activations += self.boundaries[s].input_grad_bytes
         numel = sum(p.numel() for p in self._params())
         replicas = ring_allreduce_bytes(numel, element_size=4, world_size=self.dp_size)
-        first, last = self._tied_pair()
-        held = first if first is not None else last
-        tied = 0
-        if self.tie_group is not None and held is not None:
-            tied = ring_allreduce_bytes(held.numel(), element_size=4, world_size=2)
-        return crossings * self.cfg.strategy.microbatches * activation + replicas + tied
+        tied = sum(
+            ring_allreduce_bytes(local.tie.numel, element_size=4, world_size=len(local.ranks))
+            for local in self.ties
+        )
+        return self.cfg.strategy.microbatches * activations + replicas + tied
 
     def layout_notes(self) -> list[str]:
         s = self.cfg.strategy
@@ -415,3 +450,15 @@ class PipelineStrategy:
             "grads": self._peak_grad_bytes,
             "optimizer": storage_bytes(tensors_in(self.optimizer.state)),
         }
+
+
+def _grad_of(param: nn.Parameter) -> torch.Tensor:
+    return param.grad if param.grad is not None else torch.zeros_like(param)
+
+
+def _set_grads(copies: tuple[nn.Parameter, ...], total: torch.Tensor) -> None:
+    for c in copies:
+        if c.grad is None:
+            c.grad = total.clone()
+        else:
+            c.grad.copy_(total)

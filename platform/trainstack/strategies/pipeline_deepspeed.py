@@ -3,30 +3,33 @@
 The same layout as `pipeline.py` (the torch engine), so a run means the same either
 way: `p = strategy.stages` pipeline ranks times `d = strategy.data_parallel` replicas,
 global rank = pp_rank × d + dp_rank (DeepSpeed's `PipeDataParallelTopology` numbers
-them so too); the GPT is cut where `split_stages` cuts it, one stage per rank; the
-stage files hold the full GPT's parameter names.
+them so too); the model is cut along its pipeline layers where `split_stages` cuts it,
+one stage per rank; the stage files hold the full model's state-dict keys.
 
-The GPT becomes a `PipelineModule` of layers: the token embedding, the position
-embedding with dropout, the blocks, the final LayerNorm and the LM head. The token
-embedding and the LM head are one `TiedLayerSpec`: the first and the last stage each
-hold a copy of the tied weight, and DeepSpeed sums their gradients between the two
-(`ReduceTiedGrads`), so both copies take the same update, as the tied model's one
-weight does.
+The `PipelineModule` is built from the split: each stage is one layer, a `StageModule`
+(the rank's own; another rank's is a placeholder DeepSpeed never builds), followed by
+one `TiedLayerSpec` per parameter that the stage shares with other stages (a GPT's
+tied embedding and LM head). That spec's module, `TiedWeight`, holds the stage's own
+copy of the parameter and passes activations through, so DeepSpeed sums the copies'
+gradients between the stages holding them (`ReduceTiedGrads`) and every copy takes
+the same update, as the model's one tensor does. Activation checkpointing comes with
+the model's layers (`build_model`), not from DeepSpeed.
 
 One `train_batch` runs DeepSpeed's own 1F1B-style schedule over the replica's
-`strategy.microbatches` micro-batches (the loss scaled by 1/m on the last stage), sums
-the tied gradients, averages every gradient over the replicas, clips by the global
-norm and steps trainstack's optimizer and LR schedule (runtime/optim.py), handed to
-`deepspeed.initialize` as under ZeRO.
+`strategy.microbatches` micro-batches (the task's loss, scaled by 1/m, on the last
+stage), sums the tied gradients, averages every gradient over the replicas, clips by
+the global norm and steps trainstack's optimizer and LR schedule (runtime/optim.py),
+handed to `deepspeed.initialize` as under ZeRO. Pipelines train in fp32 (the spec
+refuses bf16 for them), so DeepSpeed wraps the optimizer only for ZeRO-1.
 
 Clipping needs one flag. Without ZeRO, DeepSpeed clips with `runtime.utils.clip_grad_norm_`,
 which sums squares over the pipeline (its "model parallel" group) but on stages > 0
 counts only parameters flagged `model_parallel` (Megatron's convention for tensors that
 differ between model-parallel ranks); unflagged, the norm would be stage 0's alone.
-So every parameter is flagged except the tied weight's copy on the last stage (which
-DeepSpeed marks `ds_pipe_replicated`): the norm is the whole model's, the tied weight
-counted once. ZeRO-1 computes its norm by its own rule (all parameters, skipping
-`ds_pipe_replicated`), which the flag leaves as it is.
+So every parameter is flagged except the tied copies DeepSpeed marks
+`ds_pipe_replicated` (all but the first stage's): the norm is the whole model's, each
+tied parameter counted once. ZeRO-1 computes its norm by its own rule (all parameters,
+skipping `ds_pipe_replicated`), which the flag leaves as it is.
 """
 
 from __future__ import annotations
@@ -37,37 +40,33 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import deepspeed
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe import schedule as ds_schedule
-from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.pipe.module import PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 from deepspeed.runtime.utils import clip_grad_norm_
 from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from trainstack.checkpoint import Checkpoint, rank_file, stage_file
-from trainstack.config import JobConfig, ModelConfig, config_from_dict
-from trainstack.models.gpt import GPT, Block
+from trainstack.config import JobConfig, config_from_dict
 from trainstack.runtime.optim import build_optimizer, build_scheduler, scaled_lr
 from trainstack.strategies.base import (
     Batch,
     StepOutput,
     WorkerContext,
     fast_forward_schedule,
-    next_token_loss,
     ring_allreduce_bytes,
     storage_bytes,
     tensors_in,
 )
 from trainstack.strategies.pipeline_probe import (
+    BoundaryMeter,
     SavedActivationMeter,
     first_replica_figures,
     simulated_bubble,
@@ -75,9 +74,16 @@ from trainstack.strategies.pipeline_probe import (
 )
 from trainstack.strategies.pipeline_split import (
     PipelineGrid,
+    StageModule,
     StageSplit,
+    TiedParameter,
+    check_pipeline_model,
     last_stage_mean,
+    model_layers,
+    recv_activation,
+    send_activation,
     split_stages,
+    tied_parameters,
 )
 from trainstack.strategies.zero import (
     UNSAVED_OPTIMIZER_KEYS,
@@ -85,9 +91,8 @@ from trainstack.strategies.zero import (
     master_partitions,
     weights_only_value,
 )
+from trainstack.tasks import EvalSums, build_task, eval_mode, evaluate
 
-_TIE_KEY = "embed"
-"""The TiedLayerSpec key of the token embedding / LM head weight."""
 _END_OF_BATCH = (ds_schedule.ReduceTiedGrads, ds_schedule.ReduceGrads, ds_schedule.OptimizerStep)
 """The instructions that end a batch: gradient reductions and the optimizer step."""
 
@@ -99,100 +104,57 @@ def pipeline_deepspeed_config(cfg: JobConfig) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
         "gradient_accumulation_steps": cfg.grad_accum_steps,
         "gradient_clipping": cfg.optim.grad_clip,
-        "bf16": {"enabled": cfg.train.precision == "bf16"},
         "zero_optimization": {"stage": 0},
         "log_level": "warning",  # trainstack reports progress itself
     }
     return deep_merge(derived, cfg.deepspeed)
 
 
-# ---- the GPT as pipeline layers -------------------------------------------------------
+# ---- the split as DeepSpeed layers ----------------------------------------------------
 
 
-class TokenEmbedding(nn.Module):
-    """The tied weight: a token lookup on the first stage, the LM head on the last."""
+class TiedWeight(nn.Module):
+    """DeepSpeed's tied module for one tied parameter: it holds the stage's own copy
+    (`weight`, whose gradient DeepSpeed sums over the stages holding one) and passes
+    activations through unchanged."""
 
-    def __init__(self, vocab_size: int, n_embd: int) -> None:
+    def __init__(self, weight: nn.Parameter | None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, n_embd))
+        assert weight is not None, "built only on the rank holding the stage"
+        self.weight = weight
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return F.embedding(idx, self.weight)
-
-
-def lm_head(embedding: TokenEmbedding, x: torch.Tensor) -> torch.Tensor:
-    """`GPT.lm_head` (no bias) with the tied weight: [B, T, C] -> [B, T, V]."""
-    return F.linear(x, embedding.weight)
+    def forward(self, x: Any) -> Any:
+        return x
 
 
-class PositionEmbedding(nn.Module):
-    """The rest of `GPT.embed`: add the position embedding, then dropout."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.drop = nn.Dropout(cfg.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(x.shape[1], device=x.device)
-        return self.drop(x + self.pos_emb(pos))
-
-
-class CheckpointedBlock(Block):
-    """A block that keeps only its input and recomputes its insides in backward."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training:
-            return super().forward(x)
-        out: torch.Tensor = checkpoint(super().forward, x, use_reentrant=False)
-        return out
-
-
-@dataclass(frozen=True, kw_only=True)
-class PipelineLayers:
-    """The GPT as DeepSpeed layer specs, the stage cuts, and the GPT's parameter names.
-
-    Layers: 0 token embedding (tied), 1 position embedding, 2 .. n_layer+1 the blocks,
-    n_layer+2 the final LayerNorm, n_layer+3 the LM head (tied). Stage s holds layers
-    `parts[s]` .. `parts[s+1]-1`.
-    """
-
-    specs: list[LayerSpec]
-    parts: list[int]
-    prefixes: dict[int, str]
-    """Layer index -> prefix of its parameters' names in the GPT."""
-
-    @classmethod
-    def of(cls, model: GPT, split: StageSplit) -> PipelineLayers:
-        cfg, n = model.cfg, len(model.blocks)
-        vocab, width = model.vocab_size, cfg.n_embd
-        block = CheckpointedBlock if cfg.activation_checkpointing else Block
-        specs = [
-            TiedLayerSpec(_TIE_KEY, TokenEmbedding, vocab, width),
-            LayerSpec(PositionEmbedding, cfg),
-            *(LayerSpec(block, cfg) for _ in range(n)),
-            LayerSpec(nn.LayerNorm, width),
-            TiedLayerSpec(_TIE_KEY, TokenEmbedding, vocab, width, forward_fn=lm_head),
-        ]
-        parts = [0, *(2 + blocks.start for blocks in split.blocks[1:]), n + 4]
-        prefixes = {1: "", **{2 + i: f"blocks.{i}." for i in range(n)}, n + 2: "ln_f."}
-        return cls(specs=specs, parts=parts, prefixes=prefixes)
-
-    def gpt_name(self, name: str, *, first_stage: bool) -> str:
-        """The GPT's name of a `PipelineModule` parameter (`3.attn.c_proj.weight` ->
-        `blocks.1.attn.c_proj.weight`); the tied weight is `tok_emb.weight` on the first
-        stage and `lm_head.weight` on the last, as in `StageModule`."""
-        if name.startswith("tied_modules."):
-            return "tok_emb.weight" if first_stage else "lm_head.weight"
-        index, rest = name.split(".", 1)
-        return self.prefixes[int(index)] + rest
+def deepspeed_layers(
+    stage: StageModule, *, stage_index: int, split: StageSplit, ties: list[TiedParameter]
+) -> tuple[list[Any], list[int]]:
+    """`PipelineModule` layers for `split`, and the index where each stage begins (plus
+    the end). Stage s is one layer (this rank's `stage`, or a placeholder another rank
+    builds) followed by a `TiedLayerSpec` for each tied parameter it holds; tie keys are
+    the ties' positions in `ties`, the same on every rank."""
+    layers: list[Any] = []
+    parts = [0]
+    for s in range(split.num_stages):
+        layers.append(stage if s == stage_index else nn.Identity())  # not built here
+        for key, tie in enumerate(ties):
+            if s not in tie.stages:
+                continue
+            copy = None
+            if s == stage_index:
+                layer, name = tie.uses[tie.stages.index(s)]
+                copy = stage.parameter(layer=layer, name=name)
+            layers.append(TiedLayerSpec(f"tie_{key:05d}", TiedWeight, copy))
+        parts.append(len(layers))
+    return layers, parts
 
 
 class SplitPipelineModule(PipelineModule):
     """A `PipelineModule` cut at given layer indices rather than by DeepSpeed's own
-    partitioning methods, so that both engines cut the GPT alike."""
+    partitioning methods, so that both engines cut a model alike."""
 
-    def __init__(self, layers: list[LayerSpec], *, parts: list[int], **kwargs: Any) -> None:
+    def __init__(self, layers: list[Any], *, parts: list[int], **kwargs: Any) -> None:
         self._given_parts = parts  # read by _partition_layers, which __init__ calls
         super().__init__(layers, **kwargs)
 
@@ -206,7 +168,7 @@ class InstructionProbe:
     """Times a PipelineEngine's instructions and meters what they hold.
 
     `seconds["compute"]`: its forward and backward passes; `seconds["end_of_batch"]`: the
-    gradient reductions (tied weight, replicas) and the optimizer step. Forward's
+    gradient reductions (tied parameters, replicas) and the optimizer step. Forward's
     saved activations go to `meter`, and the gradient bytes held after each backward to
     `peak_grad_bytes`. The engine runs each instruction by looking it up in
     `_INSTRUCTION_MAP`, which a wrapped copy set on the engine instance shadows.
@@ -263,19 +225,22 @@ class DeepSpeedPipelineStrategy:
     def __init__(self, cfg: JobConfig, ctx: WorkerContext) -> None:
         self.cfg = cfg
         self.ctx = ctx
+        self.task = build_task(cfg)
         self.grid = PipelineGrid.of(cfg, rank=ctx.rank)
         self.pp_size, self.dp_size = self.grid.pp_size, self.grid.dp_size
         self.pp_rank, self.dp_rank = self.grid.pp_rank, self.grid.dp_rank
         self.holds_first, self.holds_last = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
         self.zero_stage = _zero_stage(cfg)
-        self.sharded_optimizer = self.zero_stage == 1 or cfg.train.precision == "bf16"
-        """DeepSpeed wraps the optimizer (ZeRO-1, or its bf16 optimizer), which keeps fp32
-        master weights and optimizer state partitioned over the replicas."""
+        self.sharded_optimizer = self.zero_stage == 1
+        """ZeRO-1 wraps the optimizer, which keeps fp32 master weights and optimizer state
+        partitioned over the replicas."""
         self.engine: Any = None
         """deepspeed.runtime.pipe.engine.PipelineEngine, built by `setup`."""
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
-        self.layers: PipelineLayers | None = None
+        self.stage: StageModule | None = None
+        self.boundary: BoundaryMeter | None = None
         self.split: StageSplit | None = None
+        self.ties: list[TiedParameter] = []
         self.probe: InstructionProbe | None = None
         self._batch_s = 0.0
         """Seconds in `train_batch` after the first step (which also sends shapes)."""
@@ -284,24 +249,28 @@ class DeepSpeedPipelineStrategy:
     # ---- setup --------------------------------------------------------------------------
 
     def setup(self, model: nn.Module) -> None:
-        assert isinstance(model, GPT), "config validation admits only gpt"
+        check_pipeline_model(self.cfg, model)
         self._init_deepspeed_comm()
-        self.split = split_stages(model, self.pp_size)
-        self.layers = PipelineLayers.of(model, self.split)
-        # No grad: the module broadcasts the tied weight in place while it is built, which
-        # outside no_grad leaves a "backprop through c10d::broadcast_" warning on its grad.
+        layers = model_layers(model)
+        self.split = split_stages(layers, self.pp_size)
+        self.ties = tied_parameters(model, layers, self.split)
+        self.stage = StageModule(model, layers, self.split.layers[self.pp_rank])
+        self.boundary = BoundaryMeter(self.stage)
+        specs, parts = deepspeed_layers(
+            self.stage, stage_index=self.pp_rank, split=self.split, ties=self.ties
+        )
+        # No grad: the module broadcasts the tied weights in place while it is built, which
+        # outside no_grad leaves a "backprop through c10d::broadcast_" warning on their grads.
         # Its prints (seed settings, topology) repeat what layout_notes says.
         with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
             module = SplitPipelineModule(
-                self.layers.specs,
-                parts=self.layers.parts,
+                specs,
+                parts=parts,
                 topology=PipeDataParallelTopology(num_pp=self.pp_size, num_dp=self.dp_size),
-                loss_fn=next_token_loss,
+                loss_fn=self.task.pipeline_loss,
             )
         grid = module.mpu()
         assert (grid.get_stage_id(), grid.get_data_parallel_id()) == (self.pp_rank, self.dp_rank)
-        full = model.state_dict()
-        module.load_state_dict({name: full[self._gpt_name(name)] for name in module.state_dict()})
         _flag_for_clipping(module)
         lr = scaled_lr(self.cfg.optim, data_parallel_size=self.dp_size)
         optimizer = build_optimizer(module, self.cfg.optim, lr=lr)
@@ -329,10 +298,6 @@ class DeepSpeedPipelineStrategy:
         backend = get_accelerator().communication_backend_name()
         deepspeed.comm.init_distributed(dist_backend=backend, dist_init_required=False)
 
-    def _gpt_name(self, name: str) -> str:
-        assert self.layers is not None, "setup() first"
-        return self.layers.gpt_name(name, first_stage=self.holds_first)
-
     def _keep_clip_norm(self) -> None:
         """Keep the norm `engine.clip_fp32_gradients` (no ZeRO, fp32) computes and drops."""
         engine = self.engine
@@ -348,10 +313,15 @@ class DeepSpeedPipelineStrategy:
         engine.clip_fp32_gradients = clip_and_keep
 
     def unwrapped_model(self) -> nn.Module:
-        """This rank's stage, a `PipelineModule` (`checkpoint_files` uses the GPT's names)."""
+        """This rank's stage in DeepSpeed's `PipelineModule` (`checkpoint_files` uses the
+        stage's own state dict, under the model's names)."""
         assert self.engine is not None, "setup() first"
         module: nn.Module = self.engine.module
         return module
+
+    def _stage(self) -> StageModule:
+        assert self.stage is not None, "setup() first"
+        return self.stage
 
     def _params(self) -> list[nn.Parameter]:
         return [p for p in self.unwrapped_model().parameters() if p.requires_grad]
@@ -383,57 +353,58 @@ class DeepSpeedPipelineStrategy:
     def _held_grad_bytes(self) -> int:
         grads = [p.grad for p in self._params() if p.grad is not None]
         if self.sharded_optimizer:
-            masters = _fp32_partitions(self.engine.optimizer)
+            masters = master_partitions(self.engine.optimizer)
             grads += [m.grad for m in masters if m.grad is not None]
         return storage_bytes(grads)
 
     # ---- evaluation and reductions ------------------------------------------------------
 
-    @torch.no_grad()
-    def eval_loss(self, batches: list[Batch]) -> tuple[float, int]:
+    def evaluate(self, batches: list[Batch]) -> EvalSums:
         """Each batch goes through the replica's stages in order, activations passed point
-        to point (DeepSpeed's `eval_batch` wants the same micro-batch count and shape on
-        every replica, which held-out shares need not have)."""
-        module = self.unwrapped_model()
-        module.eval()
-        dtype = next(module.parameters()).dtype  # bf16 when DeepSpeed trains in bf16
-        sums = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
-        for x, y in batches:
-            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
-            act = x
+        to point, shapes first (DeepSpeed's `eval_batch` wants the same micro-batch count
+        and shape on every replica, which held-out shares need not have); the last stage's
+        ranks add up the task's sums, and every rank gets the total."""
+        stage = self._stage()
+        restore = eval_mode([self.unwrapped_model()])
+
+        def forward(x: torch.Tensor) -> Any | None:
+            act: Any = x
             if not self.holds_first:
-                shape = (*x.shape, self.cfg.model.n_embd)
-                act = torch.empty(shape, dtype=dtype, device=self.ctx.device)
-                dist.recv(act, src=self.grid.global_rank(pp_rank=self.pp_rank - 1))
-            act = module(act)
+                src = self.grid.global_rank(pp_rank=self.pp_rank - 1)
+                act = recv_activation(src=src, device=self.ctx.device)
+            act = stage(act)
             if self.holds_last:
-                loss = next_token_loss(act, y)
-                sums[0] += loss.double() * y.numel()
-                sums[1] += y.numel()
-            else:
-                dist.send(act.contiguous(), dst=self.grid.global_rank(pp_rank=self.pp_rank + 1))
-        module.train()
+                return act
+            send_activation(act, dst=self.grid.global_rank(pp_rank=self.pp_rank + 1))
+            return None
+
+        sums = evaluate(self.task, forward, batches, device=self.ctx.device)
+        restore()
         dist.all_reduce(sums)
-        return float(sums[0]), int(sums[1])
+        return EvalSums.of(sums)
 
     def global_mean(self, value: torch.Tensor) -> float:
         return last_stage_mean(value, holds_last=self.holds_last, replicas=self.dp_size)
 
     def comm_bytes_per_step(self) -> int:
         """Modelled: activations out and their gradients back across this rank's stage
-        boundaries, the gradient all-reduce over replicas (ZeRO-1: a reduce-scatter and
-        the updated parameters' all-gather, the same bytes), and the tied weight's."""
-        t, m = self.cfg.train, self.cfg.model
-        element = 2 if t.precision == "bf16" else 4
-        activation = t.micro_batch_size * m.block_size * m.n_embd * element
-        crossings = int(not self.holds_first) + int(not self.holds_last)
+        boundaries (their sizes as measured in the last training forward), the gradient
+        all-reduce over replicas (ZeRO-1: a reduce-scatter and the updated parameters'
+        all-gather, the same bytes), and the tied parameters' all-reduces."""
+        assert self.boundary is not None, "setup() first"
+        activations = 0
+        if not self.holds_last:
+            activations += self.boundary.output_bytes
+        if not self.holds_first:
+            activations += self.boundary.input_grad_bytes
         numel = sum(p.numel() for p in self._params())
-        replicas = ring_allreduce_bytes(numel, element_size=element, world_size=self.dp_size)
-        tied = 0
-        if self.holds_first or self.holds_last:
-            tied_numel = self.cfg.data.vocab_size * m.n_embd
-            tied = ring_allreduce_bytes(tied_numel, element_size=element, world_size=2)
-        return crossings * self.cfg.strategy.microbatches * activation + replicas + tied
+        replicas = ring_allreduce_bytes(numel, element_size=4, world_size=self.dp_size)
+        tied = sum(
+            ring_allreduce_bytes(tie.numel, element_size=4, world_size=len(tie.stages))
+            for tie in self.ties
+            if self.pp_rank in tie.stages
+        )
+        return self.cfg.strategy.microbatches * activations + replicas + tied
 
     def layout_notes(self) -> list[str]:
         s = self.cfg.strategy
@@ -485,9 +456,9 @@ class DeepSpeedPipelineStrategy:
     # ---- state --------------------------------------------------------------------------
 
     def checkpoint_files(self) -> dict[str, Any]:
-        """Replica 0's ranks write their stage's fp32 weights under the GPT's names and
-        their optimizer state, or every rank its optimizer shard if the state is sharded;
-        rank 0 the LR schedule. A collective if sharded (gathering the weights)."""
+        """Replica 0's ranks write their stage's weights under the model's names and their
+        optimizer state, or every rank its optimizer shard if the state is sharded; rank 0
+        the LR schedule. A collective if sharded (gathering the weights)."""
         assert self.scheduler is not None, "setup() first"
         weights = self._fp32_weights()
         files: dict[str, Any] = {}
@@ -507,13 +478,12 @@ class DeepSpeedPipelineStrategy:
         return files
 
     def _fp32_weights(self) -> dict[str, torch.Tensor]:
-        """This stage's state dict under the GPT's names, parameters from the fp32 master
-        copy where DeepSpeed keeps one (a sharded optimizer). A collective there."""
-        module = self.unwrapped_model()
+        """This stage's state dict under the model's names, parameters from ZeRO-1's fp32
+        master copy where it keeps one. A collective there."""
         master = {id(p): safe_get_full_fp32_param(p) for p in self._params()}
         return {
-            self._gpt_name(name): _fp32_copy(master.get(id(value)), value)
-            for name, value in module.state_dict(keep_vars=True).items()
+            name: _fp32_copy(master.get(id(value)), value)
+            for name, value in self._stage().state_dict(keep_vars=True).items()
         }
 
     def load_checkpoint(self, checkpoint: Checkpoint) -> list[str]:
@@ -543,12 +513,10 @@ class DeepSpeedPipelineStrategy:
             return f"the checkpoint is from the {saved.strategy.engine} engine"
         if saved.strategy.stages != self.pp_size:
             return f"the checkpoint has {saved.strategy.stages} stages, this run {self.pp_size}"
-        theirs = (_zero_stage(saved), saved.train.precision)
-        mine = (self.zero_stage, self.cfg.train.precision)
-        if theirs != mine:
+        if _zero_stage(saved) != self.zero_stage:
             return (
-                f"the checkpoint has ZeRO stage {theirs[0]} in {theirs[1]}, this run ZeRO "
-                f"stage {mine[0]} in {mine[1]}"
+                f"the checkpoint has ZeRO stage {_zero_stage(saved)}, this run ZeRO stage "
+                f"{self.zero_stage}"
             )
         if self.sharded_optimizer and saved.strategy.data_parallel != self.dp_size:
             return (
@@ -558,13 +526,14 @@ class DeepSpeedPipelineStrategy:
         return None
 
     def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """GPT-named weights into this stage, and into DeepSpeed's fp32 master copy if any."""
-        module = self.unwrapped_model()
-        names = {name: self._gpt_name(name) for name in module.state_dict()}
-        module.load_state_dict({name: weights[gpt] for name, gpt in names.items()})
-        for name, p in module.named_parameters():
-            if hasattr(p, "_hp_mapping"):
-                safe_set_full_fp32_param(p, weights[names[name]].to(self.ctx.device))
+        """Weights under the model's names into this stage, and into ZeRO-1's fp32 master
+        copy if it keeps one."""
+        stage = self._stage()
+        held = stage.state_dict(keep_vars=True)
+        stage.load_state_dict({name: weights[name] for name in held})
+        for name, value in held.items():
+            if hasattr(value, "_hp_mapping"):
+                safe_set_full_fp32_param(value, weights[name].to(self.ctx.device))
 
     def _load_optimizer(self, checkpoint: Checkpoint) -> None:
         optimizer = self.engine.optimizer
@@ -572,8 +541,7 @@ class DeepSpeedPipelineStrategy:
             optimizer.load_state_dict(checkpoint.load(rank_file("optimizer", self.pp_rank)))
             return
         shard = checkpoint.load(rank_file("optimizer", self.ctx.rank))
-        if hasattr(optimizer, "loss_scaler"):  # ZeRO's; the bf16 optimizer has none
-            shard["loss_scaler"] = optimizer.loss_scaler
+        shard["loss_scaler"] = optimizer.loss_scaler
         shards: list[dict[str, Any] | None] = [None] * self.dp_size
         shards[self.dp_rank] = shard  # ZeRO reads its own data-parallel rank's entry
         optimizer.load_state_dict(shards, load_optimizer_states=True, load_from_fp32_weights=True)
@@ -581,7 +549,7 @@ class DeepSpeedPipelineStrategy:
     def model_state_bytes(self) -> dict[str, int]:
         optimizer = self.engine.optimizer
         if self.sharded_optimizer:
-            state = [*_fp32_partitions(optimizer), *tensors_in(optimizer.optimizer.state)]
+            state = [*master_partitions(optimizer), *tensors_in(optimizer.optimizer.state)]
         else:
             state = tensors_in(optimizer.state)
         return {
@@ -593,7 +561,7 @@ class DeepSpeedPipelineStrategy:
 
 def _flag_for_clipping(module: PipelineModule) -> None:
     """Flag the parameters DeepSpeed's fp32 clipping must count on every stage (see the
-    module docstring): all but the last stage's copy of the tied weight."""
+    module docstring): all but the tied copies DeepSpeed marks `ds_pipe_replicated`."""
     for p in module.parameters():
         p.model_parallel = not getattr(p, "ds_pipe_replicated", False)
 
@@ -601,12 +569,6 @@ def _flag_for_clipping(module: PipelineModule) -> None:
 def _zero_stage(cfg: JobConfig) -> int:
     """The ZeRO stage the spec's raw `deepspeed:` section asks for (0 or 1, validated)."""
     return int(cfg.deepspeed.get("zero_optimization", {}).get("stage", 0))
-
-
-def _fp32_partitions(optimizer: Any) -> list[torch.Tensor]:
-    """This rank's fp32 master partitions: the bf16 optimizer's, else ZeRO's."""
-    found = getattr(optimizer, "fp32_groups_flat_partition", None)
-    return list(found) if found is not None else master_partitions(optimizer)
 
 
 def _fp32_copy(master: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,14 @@
-"""What a pipeline stage measures about itself: compute time and activation memory.
+"""What a pipeline stage measures about itself: compute time, activation memory, and
+the size of what crosses its boundaries.
 
 `ProbedStage` is torch's `PipelineStage` with its three compute calls (forward,
 backward for inputs, backward for weights) timed; the time a rank spends in a step
 outside them is its share of the bubble (waiting for neighbours, plus the
 schedule's own bookkeeping and loss, which are small). `SavedActivationMeter`
 counts the bytes autograd saves for backward while a forward runs, so its peak is the
-activation memory a schedule holds at once.
+activation memory a schedule holds at once. `BoundaryMeter` records the bytes a stage
+module takes in and gives out per micro-batch, from which a strategy models the bytes
+its activations and their gradients put on the wire.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 
@@ -81,6 +85,38 @@ def _unpack(saved: Any) -> torch.Tensor:
     return saved.tensor if isinstance(saved, _Saved) else saved
 
 
+class BoundaryMeter:
+    """Bytes of one training micro-batch at a stage module's boundaries, as measured in
+    its latest forward in training mode (0 before the first).
+
+    `output_bytes` is what the stage sends on (activations); `input_grad_bytes` what it
+    sends back (the gradient of each floating-point input, the size of that input).
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.output_bytes = 0
+        self.input_grad_bytes = 0
+        module.register_forward_hook(self._record)
+
+    def _record(self, module: nn.Module, args: Any, output: Any) -> None:
+        if module.training:
+            self.output_bytes = sum(_nbytes(t) for t in _tensors(output))
+            inputs = [t for t in _tensors(args) if t.is_floating_point()]
+            self.input_grad_bytes = sum(_nbytes(t) for t in inputs)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
 def first_replica_figures(
     mine: dict[str, Any], *, world_size: int
 ) -> tuple[list[dict[str, Any]], list[float]]:
@@ -94,12 +130,30 @@ def first_replica_figures(
 
 
 class ProbedStage(PipelineStage):
-    """A `PipelineStage` that adds up its compute seconds and meters its activations."""
+    """A `PipelineStage` that adds up its compute seconds and meters its activations.
+
+    At the first step torch infers the shapes passed between stages with one real
+    forward (on empty tensors past the first stage) and backward, with the random
+    generators forked; the stage's buffers (batch-norm statistics) are put back as they
+    were before it once that is done.
+    """
 
     def __init__(self, *args: Any, meter: SavedActivationMeter, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.meter = meter
         self.busy_s = 0.0
+        self._buffers_before_inference: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        self._buffers_before_inference = [(b, b.clone()) for b in self.submod.buffers()]
+        return super()._forward_metadata_inference(*args, **kwargs)
+
+    def _post_metadata_inference_cleanup(self) -> None:
+        super()._post_metadata_inference_cleanup()
+        with torch.no_grad():
+            for buffer, value in self._buffers_before_inference:
+                buffer.copy_(value)
+        self._buffers_before_inference = []
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()

@@ -30,10 +30,10 @@ from trainstack.strategies.base import (
     StepOutput,
     WorkerContext,
     fast_forward_schedule,
-    next_token_loss,
     storage_bytes,
     tensors_in,
 )
+from trainstack.tasks import EvalSums, build_task, eval_mode, evaluate
 
 # DeepSpeed optimizer-state keys holding objects `torch.load(weights_only=True)` refuses:
 # the loss scaler (a static scale of 1 under fp32 and bf16, so the live one is put back
@@ -106,6 +106,7 @@ class ZeROStrategy:
         """deepspeed.DeepSpeedEngine, built by `setup`."""
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self._peak_grad_bytes = 0
+        self.task = build_task(cfg)
 
     def setup(self, model: nn.Module) -> None:
         import deepspeed
@@ -167,7 +168,7 @@ class ZeROStrategy:
         total = torch.zeros((), device=self.ctx.device)
         for x, y in micro_batches:
             x, y = x.to(self.ctx.device), y.to(self.ctx.device)
-            loss = next_token_loss(engine(x), y)
+            loss = self.task.loss(engine(x), y, inputs=x)
             engine.backward(loss)  # scales by 1/accum; reduces (stage 2, 3) or accumulates
             self._peak_grad_bytes = max(self._peak_grad_bytes, self._held_grad_bytes())
             engine.step()  # optimizer and schedule step on the accumulation boundary only
@@ -179,22 +180,16 @@ class ZeROStrategy:
             lr=lr,
         )
 
-    @torch.no_grad()
-    def eval_loss(self, batches: list[Batch]) -> tuple[float, int]:
+    def evaluate(self, batches: list[Batch]) -> EvalSums:
         model = self.unwrapped_model()  # stage 3's hooks gather parameters as it runs
-        model.eval()
-        sums = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
-        for x, y in batches:
-            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
-            loss = next_token_loss(model(x), y)
-            sums[0] += loss.double() * y.numel()
-            sums[1] += y.numel()
-        model.train()
+        restore = eval_mode([model])
+        sums = evaluate(self.task, model, batches, device=self.ctx.device)
+        restore()
         if self.cfg.strategy.stage == 3:
             # A forward without backward leaves ZeRO-3's gathered parameters whole.
             self._engine().empty_partition_cache()
         dist.all_reduce(sums)
-        return float(sums[0]), int(sums[1])
+        return EvalSums.of(sums)
 
     def global_mean(self, value: torch.Tensor) -> float:
         value = value.detach().to(self.ctx.device, torch.float64).clone()

@@ -65,7 +65,7 @@ def run_trial(config: dict[str, Any], *, plan: TrialPlan) -> None:
     sweep = plan.sweep
     overrides = sweep.trial_overrides(chosen_values(config))
     cfg = trial_job(sweep, overrides, name=plan.job_name(trial_id))
-    tokens_per_step = cfg.train.global_batch_size * cfg.model.block_size
+    tokens_per_step = cfg.train.global_batch_size * cfg.tokens_per_sample
     metric = sweep.objective.metric
 
     def on_record(record: dict[str, Any]) -> None:

@@ -99,7 +99,7 @@ def scheduler(sweep: SweepConfig) -> TrialScheduler:
 
 
 def trial_tokens(cfg: JobConfig) -> int:
-    return cfg.train.steps * cfg.train.global_batch_size * cfg.model.block_size
+    return cfg.train.steps * cfg.train.global_batch_size * cfg.tokens_per_sample
 
 
 def trial_needs(sweep: SweepConfig) -> dict[str, float]:

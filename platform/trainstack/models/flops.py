@@ -1,0 +1,67 @@
+"""Training FLOPs of any model: its own `flops_per_token()`, else counted once.
+
+Counting runs one forward and backward of a micro-batch under torch's
+`FlopCounterMode`, which adds up the FLOPs of matmuls, convolutions and attention as
+torch dispatches them (elementwise ops, norms and lookups count as zero, as in the
+analytic formulas). The model's gradients and the RNG are left as they were.
+Attention counts its full score matrix (causal masking is not subtracted) and its
+backward recomputes the scores, as torch's formulas do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import (
+    FlopCounterMode,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
+
+from trainstack.tasks import Batch, Task
+
+
+def _cpu_attention(q: Any, k: Any, v: Any, *args: Any, out_shape: Any = None, **kw: Any) -> int:
+    return int(sdpa_flop_count(q, k, v))
+
+
+def _cpu_attention_backward(
+    grad_out: Any, q: Any, k: Any, v: Any, *args: Any, out_shape: Any = None, **kw: Any
+) -> int:
+    return int(sdpa_backward_flop_count(grad_out, q, k, v))
+
+
+_aten = torch.ops.aten
+CPU_ATTENTION_FORMULAS = {
+    _aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward,
+}
+"""torch counts its GPU attention kernels; the CPU kernel takes the same formulas
+(arguments are tensor shapes: FlopCounterMode passes shapes to custom formulas)."""
+
+
+def count_training_flops(model: nn.Module, batch: Batch, *, task: Task) -> int:
+    """FLOPs of one forward + backward pass of `model` on `batch` (all its samples)."""
+    inputs, targets = batch
+    saved_grads = {p: p.grad for p in model.parameters()}
+    with (
+        torch.random.fork_rng(devices=[]),
+        FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FORMULAS) as counter,
+    ):
+        loss = task.loss(model(inputs), targets, inputs=inputs)
+        loss.backward()
+    for p, grad in saved_grads.items():
+        p.grad = grad
+    return int(counter.get_total_flops())
+
+
+def flops_per_token(model: nn.Module, batch: Batch, *, task: Task) -> int:
+    """Training FLOPs per token (`lm`) or per sample (`classify`): the model's own
+    `flops_per_token()` if it has one, else counted on `batch`."""
+    own = getattr(model, "flops_per_token", None)
+    if callable(own):
+        return int(own())
+    _, targets = batch
+    return count_training_flops(model, batch, task=task) // max(1, targets.numel())

@@ -1,0 +1,431 @@
+"""Hugging Face causal LMs (`model.kind: hf`), built from a config: nothing is downloaded.
+
+The HF config is `model.hf` (any key of the family's config class, or an alias such as
+gpt2's `hidden_size`) over these defaults: max positions = `model.block_size`, the
+family's dropout keys = `model.dropout`, no special token ids outside the vocabulary,
+the family's own `tie_word_embeddings`. `vocab_size` is `data.vocab_size`, weights are
+fp32 and attention is sdpa. With `model.pretrained`, the saved config.json and weights
+are the start; `model.dropout` and `model.hf` override the saved config only where
+every saved weight still loads as it is (dropout or rope may change, not layers or
+widths), and `model.hf.model_type`, if given, must be the saved one.
+
+`HFCausalLM` holds the HF model's top-level modules under their own names (state_dict
+keys are HF's) and computes logits by applying `pipeline_layers()` in order, the code a
+pipeline stage runs. Causality: decoder layers get no attention mask, so sdpa runs
+causal (`is_causal`, as HF's own forward on unpadded input) - hence sdpa only. Ties: a
+tied embedding stays one Parameter, in the first layer and the last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from trainstack.config import ConfigError, ModelConfig
+from trainstack.config_fields import show
+
+# ---- the families' pipeline layers: each only references the HF model's modules ---------
+
+
+def _positions(x: torch.Tensor) -> torch.Tensor:
+    """Position ids [1, T] of a [B, T, ...] input."""
+    return torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+
+
+class LlamaLayer(nn.Module):
+    """One `LlamaDecoderLayer` over positions 0..T-1: rotary embeddings from the model's
+    `rotary_emb`, no attention mask (causal sdpa)."""
+
+    def __init__(self, *, layer: nn.Module, rotary_emb: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+        self.rotary_emb = rotary_emb
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        positions = _positions(hidden)
+        cos_sin = self.rotary_emb(hidden, position_ids=positions)
+        return self.layer(hidden, position_embeddings=cos_sin, position_ids=positions)
+
+
+class GPT2Embedding(nn.Module):
+    """Token ids [B, T] -> token + position embeddings, then embedding dropout."""
+
+    def __init__(self, *, wte: nn.Module, wpe: nn.Module, drop: nn.Module) -> None:
+        super().__init__()
+        self.wte = wte
+        self.wpe = wpe
+        self.drop = drop
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.wte(idx) + self.wpe(_positions(idx)))
+
+
+class NormHead(nn.Module):
+    """The final norm and the LM head: hidden states -> logits [B, T, V]."""
+
+    def __init__(self, *, norm: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+
+# ---- the supported families -------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class HFFamily:
+    """What trainstack needs to know about one Hugging Face architecture."""
+
+    positions_key: str
+    """The config key of the longest sequence the model takes."""
+    dropout_keys: tuple[str, ...]
+    """The config keys that `model.dropout` fills."""
+    fixed: dict[str, Any]
+    """Config keys with the one value the pipeline layers support."""
+    layers: Callable[[nn.Module], list[nn.Module]]
+    """The wrapper's pipeline layers, built from references to its modules."""
+
+
+def _llama_layers(model: nn.Module) -> list[nn.Module]:
+    body = model.get_submodule("model")
+    rotary = body.get_submodule("rotary_emb")
+    blocks = cast(nn.ModuleList, body.get_submodule("layers"))
+    return [
+        body.get_submodule("embed_tokens"),
+        *(LlamaLayer(layer=block, rotary_emb=rotary) for block in blocks),
+        NormHead(norm=body.get_submodule("norm"), lm_head=model.get_submodule("lm_head")),
+    ]
+
+
+def _gpt2_layers(model: nn.Module) -> list[nn.Module]:
+    body = model.get_submodule("transformer")
+    embedding = GPT2Embedding(
+        wte=body.get_submodule("wte"),
+        wpe=body.get_submodule("wpe"),
+        drop=body.get_submodule("drop"),
+    )
+    blocks = cast(nn.ModuleList, body.get_submodule("h"))
+    head = NormHead(norm=body.get_submodule("ln_f"), lm_head=model.get_submodule("lm_head"))
+    return [embedding, *blocks, head]  # a GPT2Block takes and returns hidden states
+
+
+FAMILIES: dict[str, HFFamily] = {
+    "llama": HFFamily(
+        positions_key="max_position_embeddings",
+        dropout_keys=("attention_dropout",),
+        fixed={},
+        layers=_llama_layers,
+    ),
+    "gpt2": HFFamily(
+        positions_key="n_positions",
+        dropout_keys=("resid_pdrop", "embd_pdrop", "attn_pdrop"),
+        fixed={"add_cross_attention": False},
+        layers=_gpt2_layers,
+    ),
+}
+"""The supported `model_type`s; another family needs its own pipeline layers here."""
+
+_FP32 = "weights are fp32 and train.precision sets the compute precision"
+OWNED_KEYS: dict[str, str] = {
+    "vocab_size": "the vocabulary follows data.vocab_size, so set that instead",
+    "dtype": _FP32,
+    "torch_dtype": _FP32,
+}
+"""`model.hf` keys that trainstack sets itself, and why."""
+
+SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+class HFCausalLM(nn.Module):
+    """A Hugging Face causal LM as a trainstack model: token ids [B, T] -> logits [B, T, V].
+
+    Its children are the HF model's own (`model` and `lm_head` for llama, `transformer`
+    and `lm_head` for gpt2), so `state_dict()` has exactly HF's keys and tied weights
+    stay one Parameter. `config` is the HF config, `family` its model_type.
+    """
+
+    def __init__(self, hf_model: nn.Module, *, family: str) -> None:
+        super().__init__()
+        assert not hf_model._parameters and not hf_model._buffers, "HF keeps state in children"
+        for name, child in hf_model.named_children():
+            self.add_module(name, child)
+        self.config: Any = getattr(hf_model, "config")  # noqa: B009
+        self.family = family
+        self._kept_layers: list[nn.Module] = []
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        """Embedding, one layer per decoder block (all of one class), head.
+
+        The layers only reference this model's modules. A layer is kept between calls
+        while it wraps the same modules, so what is set on its instance (the forward
+        that activation checkpointing installs) lasts; one whose modules were replaced is
+        built anew.
+        """
+        fresh = FAMILIES[self.family].layers(self)
+        kept = self._kept_layers
+        layers = [
+            kept[i] if i < len(kept) and _wraps_same(kept[i], layer) else layer
+            for i, layer in enumerate(fresh)
+        ]
+        self._kept_layers = layers
+        return list(layers)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = idx
+        for layer in self.pipeline_layers():
+            x = layer(x)
+        return x
+
+
+def _wraps_same(old: nn.Module, new: nn.Module) -> bool:
+    same_children = [id(m) for m in old.children()] == [id(m) for m in new.children()]
+    return type(old) is type(new) and same_children
+
+
+def build_hf_model(cfg: ModelConfig, *, vocab_size: int) -> HFCausalLM:
+    """The HF causal LM `cfg` describes (randomly initialised, or `cfg.pretrained`'s
+    weights), wrapped; ConfigError with one line for any mistake in `cfg`."""
+    transformers = _import_transformers()
+    config = hf_config(cfg, vocab_size=vocab_size)
+    auto = transformers.AutoModelForCausalLM
+    if not cfg.pretrained:
+        return HFCausalLM(_from_config(auto, config), family=config.model_type)
+    where = f"model.pretrained={show(cfg.pretrained)}"
+    try:
+        hf_model, info = auto.from_pretrained(
+            Path(cfg.pretrained).expanduser(),
+            config=config,
+            local_files_only=True,
+            dtype=torch.float32,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,  # reported below, with the shapes
+        )
+    except Exception as e:
+        raise ConfigError(f"{where}: its weights do not load: {_one_line(e)}") from None
+    problems = {
+        # a mismatched key is (name, saved shape, model shape)
+        kind.removesuffix("_keys"): sorted(
+            k if isinstance(k, str) else f"{k[0]} saved {list(k[1])} vs {list(k[2])}" for k in keys
+        )
+        for kind, keys in info.items()
+        if keys
+    }
+    if problems:
+        found = "; ".join(f"{kind}: {_few(keys)}" for kind, keys in problems.items())
+        raise ConfigError(
+            f"{where}: the saved weights do not fit the model ({found}); model.hf may change "
+            "only settings that shape no weight (dropout, rope), not layers or widths"
+        )
+    return HFCausalLM(hf_model, family=config.model_type)
+
+
+def hf_config(cfg: ModelConfig, *, vocab_size: int) -> Any:
+    """The HF config `cfg` describes (see the module docstring for what fills it)."""
+    transformers = _import_transformers()
+    if cfg.pretrained:
+        saved = _saved_config(cfg, vocab_size=vocab_size, transformers=transformers)
+        config_class: Any = type(saved)
+        family = FAMILIES[saved.model_type]
+        start: dict[str, Any] = saved.to_dict()
+    else:
+        model_type = str(cfg.hf["model_type"])
+        family = _family(model_type, key="model.hf.model_type")
+        config_class = transformers.CONFIG_MAPPING[model_type]
+        start = {family.positions_key: cfg.block_size, "vocab_size": vocab_size}
+        for key in SPECIAL_TOKEN_KEYS:
+            default = config_class.__dataclass_fields__[key].default
+            if isinstance(default, int) and not 0 <= default < vocab_size:
+                start[key] = None
+    dropout = dict.fromkeys(family.dropout_keys, cfg.dropout)
+    keys = _user_keys(cfg.hf, config_class)
+    try:
+        config = config_class.from_dict({**start, **dropout, **keys}, attn_implementation="sdpa")
+    except Exception as e:
+        raise ConfigError(
+            f"model.hf: {config_class.model_type} refused it: {_one_line(e)}"
+        ) from None
+    _check_fits(config, family, block_size=cfg.block_size)
+    return config
+
+
+def _import_transformers() -> Any:
+    try:
+        return importlib.import_module("transformers")
+    except ImportError as e:
+        raise ConfigError(
+            f"model.kind=hf needs Hugging Face transformers ({e}); pip install 'trainstack[hf]'"
+        ) from None
+
+
+def _family(model_type: str, *, key: str) -> HFFamily:
+    if model_type not in FAMILIES:
+        raise ConfigError(
+            f"{key}={show(model_type)} is not supported; allowed: {', '.join(sorted(FAMILIES))} "
+            "(each family needs its pipeline layers in trainstack/models/hf.py)"
+        )
+    return FAMILIES[model_type]
+
+
+def _user_keys(hf: dict[str, Any], config_class: Any) -> dict[str, Any]:
+    """`model.hf` without model_type, under the config class's own names (aliases
+    resolved); ConfigError for a key the class lacks or one trainstack sets."""
+    fields = {f.name for f in dataclasses.fields(config_class)}
+    aliases: dict[str, str] = dict(config_class.attribute_map)
+    family = config_class.model_type
+    keys: dict[str, Any] = {}
+    for key, value in hf.items():
+        if key == "model_type":
+            continue
+        if key in OWNED_KEYS:
+            raise ConfigError(f"model.hf.{key}={show(value)} is set; {OWNED_KEYS[key]}")
+        if key == "attn_implementation":
+            if value != "sdpa":
+                raise ConfigError(
+                    f"model.hf.attn_implementation={show(value)} is not supported; allowed: "
+                    "sdpa (decoder layers get no mask and rely on its causal mode)"
+                )
+            continue
+        name = aliases.get(key, key)
+        if name not in fields:
+            declared = vars(config_class).get("__annotations__", {})  # not PreTrainedConfig's
+            own = sorted((set(declared) | set(aliases)) - set(OWNED_KEYS))
+            hint = difflib.get_close_matches(key, sorted(fields | set(aliases)), n=1)
+            raise ConfigError(
+                f"model.hf.{key} is not a {family} config key"
+                + (f" (did you mean {hint[0]}?)" if hint else "")
+                + f"; allowed: {', '.join(own)}, or a PreTrainedConfig key"
+            )
+        if name in keys:
+            raise ConfigError(f"model.hf sets {name} twice (once as {key}); keep one of them")
+        keys[name] = value
+    return keys
+
+
+def _check_fits(config: Any, family: HFFamily, *, block_size: int) -> None:
+    positions = getattr(config, family.positions_key)
+    if positions < block_size:
+        raise ConfigError(
+            f"model.block_size={block_size} exceeds the model's {family.positions_key}="
+            f"{positions}; allowed: block_size <= {positions}, or a larger "
+            f"model.hf.{family.positions_key}"
+        )
+    for key, value in family.fixed.items():
+        if getattr(config, key) != value:
+            raise ConfigError(
+                f"model.hf.{key}={show(getattr(config, key))} is not supported for "
+                f"{config.model_type}; allowed: {show(value)}"
+            )
+
+
+def _saved_config(cfg: ModelConfig, *, vocab_size: int, transformers: Any) -> Any:
+    """`cfg.pretrained`'s config, checked to be a supported family with the data's vocabulary."""
+    path = Path(cfg.pretrained).expanduser()
+    where = f"model.pretrained={show(cfg.pretrained)}"
+    allowed = "allowed: a local directory written by save_pretrained (or trainstack export)"
+    if not path.exists():
+        raise ConfigError(f"{where} does not exist; {allowed}")
+    if not path.is_dir():
+        raise ConfigError(f"{where} is not a directory; {allowed}")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{where} has no config.json; {allowed}")
+    try:
+        saved = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:
+        raise ConfigError(f"{where}: its config.json does not load: {_one_line(e)}") from None
+    _family(saved.model_type, key=f"{where}: model_type")
+    wanted = cfg.hf.get("model_type", saved.model_type)
+    if wanted != saved.model_type:
+        raise ConfigError(
+            f"model.hf.model_type={show(wanted)} but {where} is a {saved.model_type}; "
+            "drop model.hf.model_type or make it match"
+        )
+    if saved.vocab_size != vocab_size:
+        raise ConfigError(
+            f"{where} has vocab_size={saved.vocab_size} but data.vocab_size={vocab_size}; "
+            f"set data.vocab_size={saved.vocab_size} (the vocabulary the model was trained on)"
+        )
+    return saved
+
+
+def _from_config(auto: Any, config: Any) -> nn.Module:
+    try:
+        model: nn.Module = auto.from_config(config, dtype=torch.float32)
+    except Exception as e:
+        raise ConfigError(
+            f"model.hf: building {config.model_type} failed: {_one_line(e)}"
+        ) from None
+    return model
+
+
+def export_pretrained(
+    cfg: ModelConfig, *, vocab_size: int, weights: dict[str, torch.Tensor], directory: Path
+) -> None:
+    """Write `weights` (a full state dict with HF's keys, as `HFCausalLM` has them) as a
+    save_pretrained directory (safetensors) that `AutoModelForCausalLM.from_pretrained`
+    loads. Written beside `directory` and renamed into place; ConfigError if
+    `directory` exists and is not empty, or the weights do not fit `cfg`."""
+    directory = Path(directory)
+    if directory.exists() and not (directory.is_dir() and not any(directory.iterdir())):
+        raise ConfigError(
+            f"{directory} already exists and is not an empty directory; allowed: a new path "
+            "or an empty directory"
+        )
+    transformers = _import_transformers()
+    config = hf_config(cfg, vocab_size=vocab_size)
+    hf_model = _from_config(transformers.AutoModelForCausalLM, config)
+    _load_weights(hf_model, weights)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.with_name(f".{directory.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        getattr(hf_model, "save_pretrained")(tmp)  # noqa: B009
+        os.replace(tmp, directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_weights(hf_model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Load `weights` exactly: every key (a tied alias may be left out), right shapes."""
+    own = hf_model.state_dict(keep_vars=True)
+    aliases: dict[int, list[str]] = {}
+    for key, tensor in own.items():
+        aliases.setdefault(id(tensor), []).append(key)
+    missing = [k for k in own if not any(a in weights for a in aliases[id(own[k])])]
+    unexpected = [k for k in weights if k not in own]
+    if missing or unexpected:
+        raise ConfigError(
+            f"the weights do not fit model.hf ({len(missing)} missing: {_few(missing)}; "
+            f"{len(unexpected)} unexpected: {_few(unexpected)}); export with the spec they "
+            "were trained with"
+        )
+    try:
+        hf_model.load_state_dict(weights, strict=False)
+    except RuntimeError as e:
+        raise ConfigError(f"the weights do not fit model.hf: {_one_line(e)}") from None
+
+
+def _few(keys: list[str]) -> str:
+    return ", ".join(keys[:3]) + (", ..." if len(keys) > 3 else "") if keys else "none"
+
+
+def _one_line(e: BaseException) -> str:
+    """The whole message on one line (HF's first line alone often just says 'error:')."""
+    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    text = text or type(e).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+__all__ = ["FAMILIES", "HFCausalLM", "HFFamily", "build_hf_model", "export_pretrained", "hf_config"]

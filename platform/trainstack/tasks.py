@@ -1,0 +1,184 @@
+"""Tasks: what a batch is, how its loss is computed, and one held-out evaluation loop.
+
+A batch is `(inputs, targets)`:
+
+- `lm`: token ids `[B, T]` and the next tokens `[B, T]`; the model returns logits
+  `[B, T, V]`; the loss is the mean next-token cross-entropy; held-out metrics are
+  the loss, perplexity and bits per token.
+- `classify`: inputs `[B, ...]` and labels `[B]`; the model returns logits `[B, C]`;
+  the loss is the mean cross-entropy; held-out metrics are the loss and accuracy.
+
+`task.loss: "pkg.mod:fn"` replaces the cross-entropy by `fn(outputs, batch)` (a
+scalar; under a pipeline the last stage calls it with `batch = (None, targets)`).
+Model outputs may be a tensor or anything with a `.logits` tensor (Hugging Face).
+
+Every strategy and the parameter server evaluate through `evaluate`: each rank sums
+(loss × count, count, correct) over its share of the held-out batches, the strategy
+adds the sums over its group, and `EvalSums.metrics` turns them into figures.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainstack.config import ConfigError, JobConfig
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+"""One micro-batch: (inputs, targets)."""
+
+UserLoss = Callable[[Any, tuple[torch.Tensor | None, torch.Tensor]], torch.Tensor]
+
+
+class TaskOutputError(RuntimeError):
+    """A model output that does not fit the task; the message is one line."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Task:
+    kind: str
+    """`lm` or `classify`."""
+    num_outputs: int
+    """The logits' last dimension: the vocabulary (lm) or the classes (classify)."""
+    user_loss: UserLoss | None = None
+    """`task.loss`, imported; None: cross-entropy."""
+
+    def logits(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        """The logits in `outputs`, checked against the task's shape."""
+        logits = getattr(outputs, "logits", outputs)
+        if not isinstance(logits, torch.Tensor):
+            raise TaskOutputError(
+                f"the model returned {type(outputs).__name__}; task.kind={self.kind} needs a "
+                "logits tensor (or an object with a .logits tensor)"
+            )
+        wanted = (*targets.shape, self.num_outputs)
+        if tuple(logits.shape) != wanted:
+            what = "[B, T, V]" if self.kind == "lm" else "[B, C]"
+            size = "data.vocab_size" if self.kind == "lm" else "data.num_classes"
+            raise TaskOutputError(
+                f"the model's output has shape {_shape(logits.shape)}; task.kind={self.kind} "
+                f"needs {what} = {_shape(wanted)} (batch and sequence from the inputs, "
+                f"the last from {size}={self.num_outputs})"
+            )
+        return logits
+
+    def loss(
+        self, outputs: Any, targets: torch.Tensor, *, inputs: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The mean loss of one micro-batch, the scalar whose gradient is trained on."""
+        if self.user_loss is not None:
+            value = self.user_loss(outputs, (inputs, targets))
+            if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                raise TaskOutputError(
+                    f"task.loss returned {type(value).__name__}"
+                    f"{_shape(value.shape) if isinstance(value, torch.Tensor) else ''}; "
+                    "allowed: a scalar tensor"
+                )
+            return value.reshape(())
+        logits = self.logits(outputs, targets)
+        return nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+    def pipeline_loss(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        """`loss` as a pipeline schedule calls it on the last stage: (outputs, targets)."""
+        return self.loss(outputs, targets)
+
+    def batch_sums(
+        self, outputs: Any, targets: torch.Tensor, *, inputs: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """float64 [loss × count, count, correct] of one held-out micro-batch."""
+        count = targets.numel()
+        loss = self.loss(outputs, targets, inputs=inputs).detach().double()
+        logits = getattr(outputs, "logits", outputs)
+        correct = 0  # a user loss may take outputs that are not logits: no accuracy then
+        if isinstance(logits, torch.Tensor) and logits.shape == (*targets.shape, self.num_outputs):
+            correct = int((logits.argmax(dim=-1) == targets).sum())
+        return torch.tensor([float(loss) * count, count, correct], dtype=torch.float64)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalSums:
+    """Held-out sums over a group: loss × count, count (tokens or samples), correct."""
+
+    loss_sum: float
+    count: int
+    correct: int
+
+    @classmethod
+    def of(cls, sums: torch.Tensor) -> EvalSums:
+        return cls(loss_sum=float(sums[0]), count=int(sums[1]), correct=int(sums[2]))
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / self.count if self.count else math.nan
+
+    def metrics(self, task: Task) -> dict[str, float]:
+        """`eval_loss` and the task's other held-out figures."""
+        loss = self.loss
+        accuracy = self.correct / self.count if self.count else math.nan
+        if task.kind == "classify":
+            return {"eval_loss": loss, "eval_accuracy": accuracy}
+        return {
+            "eval_loss": loss,
+            "eval_perplexity": math.exp(min(loss, 700.0)),
+            "eval_bits_per_token": loss / math.log(2),
+            "eval_accuracy": accuracy,
+        }
+
+
+def build_task(cfg: JobConfig) -> Task:
+    """The job's task, with `task.loss` imported (ConfigError if it cannot be)."""
+    from trainstack.user_code import import_target
+
+    user_loss = import_target(cfg.task.loss, key="task.loss") if cfg.task.loss else None
+    if user_loss is not None and not callable(user_loss):
+        raise ConfigError(
+            f"task.loss={cfg.task.loss!r} is a {type(user_loss).__name__}; "
+            "allowed: a function fn(outputs, batch) -> scalar tensor"
+        )
+    num_outputs = cfg.data.vocab_size if cfg.task.kind == "lm" else cfg.data.num_classes
+    return Task(kind=cfg.task.kind, num_outputs=num_outputs, user_loss=user_loss)
+
+
+@torch.no_grad()
+def evaluate(
+    task: Task,
+    forward: Callable[[torch.Tensor], Any | None],
+    batches: Iterable[Batch],
+    *,
+    device: torch.device,
+) -> torch.Tensor:
+    """float64 [loss × count, count, correct] over `batches` on this rank.
+
+    `forward(inputs)` returns the model's outputs, or None on a rank that does not hold
+    them (a pipeline's earlier stages), which adds nothing. Sum the result over the
+    group and read it with `EvalSums.of`.
+    """
+    sums = torch.zeros(3, dtype=torch.float64)
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+        outputs = forward(x)
+        if outputs is not None:
+            sums += task.batch_sums(outputs, y, inputs=x).cpu()
+    return sums.to(device)
+
+
+def eval_mode(modules: Iterable[nn.Module]) -> Callable[[], None]:
+    """Put `modules` in eval mode; the returned function restores their training modes."""
+    saved = [(m, m.training) for m in modules]
+    for m, _ in saved:
+        m.eval()
+
+    def restore() -> None:
+        for m, training in saved:
+            m.train(training)
+
+    return restore
+
+
+def _shape(shape: Iterable[int]) -> str:
+    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
