@@ -37,6 +37,8 @@ IMPORT_PATH = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A
 """`package.module:attribute`, the form of model.target and task.loss."""
 MAX_CLASSES = 1000
 MAX_INPUT_NUMEL = 2**20
+MAX_TEMPLATE_NUMEL = 2**25
+"""clusters: class templates are held whole (float64), so classes × input size is bounded."""
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
 OPTIM_KINDS: tuple[str, ...] = ("adamw", "sgd")
 LR_SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
@@ -296,6 +298,12 @@ def _validate_data(d: DataConfig) -> None:
     shape_ok = 1 <= len(d.shape) <= 4 and math.prod(d.shape) <= MAX_INPUT_NUMEL
     allowed_shape = f"1 to 4 sizes whose product is at most {MAX_INPUT_NUMEL}"
     _require("data.shape", shape_ok, list(d.shape), allowed_shape)
+    if d.kind == "clusters" and d.num_classes * math.prod(d.shape) > MAX_TEMPLATE_NUMEL:
+        raise ConfigError(
+            f"data.num_classes × data.shape = {d.num_classes} × {list(d.shape)} gives "
+            f"{d.num_classes * math.prod(d.shape)} template values, more than the "
+            f"{MAX_TEMPLATE_NUMEL} (2**25) that fit; lower data.num_classes or data.shape"
+        )
     _require(
         "data.vocab_size",
         2 <= d.vocab_size <= MAX_VOCAB_SIZE,

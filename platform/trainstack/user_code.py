@@ -8,6 +8,7 @@ and exit 2 there; workers import the same path from the code the job ships to th
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import Any
 
@@ -17,6 +18,7 @@ from trainstack.config_fields import ConfigError
 def import_target(path: str, *, key: str) -> Any:
     """The object `path` (`package.module:attr.sub`) names; `key` is the spec key, for errors."""
     module_name, _, attr_path = path.partition(":")
+    _search_working_directory()
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
@@ -43,6 +45,15 @@ def import_target(path: str, *, key: str) -> Any:
             )
         value = getattr(value, name)
     return value
+
+
+def _search_working_directory() -> None:
+    """Find packages in the directory the command runs from, as `python -m` would (a
+    console script's sys.path does not have it). Ray's workers search the driver's
+    working directory too. Appended, so it never shadows an installed module."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
 
 
 def _line(e: BaseException) -> str:

@@ -109,3 +109,35 @@ def test_corrupt_checkpoints_stop_the_run_with_one_line(tmp_path: Path) -> None:
     assert len(errors) == 1 and "checkpoint.on_corrupt=restart" in errors[0]
     assert "skipping checkpoint checkpoint_00000010" in proc.stdout
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["model.target=no_such_pkg.models:build"], "no module named 'no_such_pkg.models'"),
+        (["model.target=user_models.cnn:nope"], "'user_models.cnn' has no attribute 'nope'"),
+        (["model.args={width: -3}"], "raised"),
+        (["task.loss=user_models.losses:nope"], "task.loss="),
+        (
+            ["strategy.kind=pipeline", "model.target=user_models.cnn:Flat", "model.args={}"],
+            "pipeline",
+        ),
+    ],
+    ids=["no-module", "no-attribute", "factory-raised", "no-loss", "pipeline-without-layers"],
+)
+def test_bad_model_target_exits_2_with_one_line_before_anything_starts(
+    tmp_path: Path, overrides: list[str], expected: str
+) -> None:
+    storage = tmp_path / "runs"
+    sets = [arg for o in [*overrides, f"checkpoint.storage_path={storage}"] for arg in ("--set", o)]
+    proc = run(
+        [str(BIN / "trainstack"), "run", "examples/specs/cnn_classify.yaml", *sets],
+        timeout=120,
+        PYTHONPATH=str(ROOT / "examples"),
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("trainstack: error: "), proc.stderr
+    assert expected in lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not storage.exists(), "nothing may start (or be written) for a bad model"

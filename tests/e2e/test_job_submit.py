@@ -4,6 +4,7 @@ cluster on 127.0.0.1 (one cluster for the module)."""
 import csv
 import json
 import secrets
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 
 from trainstack.runtime.local import free_port
 
-from user_shell import BIN, run
+from user_shell import BIN, ROOT, run
 
 pytestmark = pytest.mark.slow
 
@@ -40,6 +41,7 @@ def head_node(auth: dict[str, str]) -> Iterator[str]:
             "--disable-usage-stats",
         ],
         timeout=180,
+        PYTHONPATH="",  # a user's package must reach the workers through --working-dir
         **auth,
     )
     assert started.returncode == 0, started.stderr[-3000:]
@@ -139,3 +141,41 @@ def test_job_submit_runs_a_sweep_whose_failed_trial_is_retried(
     assert len(runs) == 2 and len(trial_runs) == 1  # the retry continued the trial's run
     assert trial_runs[0].info.status == "FINISHED"
     assert trial_runs[0].data.tags["trainstack.resumed_count"] == "1"
+
+
+def test_job_submit_ships_a_users_own_model_package_with_working_dir(
+    head_node: str, auth: dict[str, str], tmp_path: Path
+) -> None:
+    """A user's project: their package and spec in one directory, submitted with
+    --working-dir; nothing of it is on the cluster's PYTHONPATH."""
+    project = tmp_path / "project"
+    shutil.copytree(ROOT / "examples" / "user_models", project / "acme_models")
+    spec = {
+        "name": "acme-cnn",
+        "model": {"kind": "custom", "target": "acme_models.cnn:build", "args": {"width": 8}},
+        "task": {"kind": "classify"},
+        "data": {"kind": "clusters", "num_classes": 10, "eval_samples": 256},
+        "train": {"steps": 60, "global_batch_size": 64, "micro_batch_size": 32},
+        "optim": {"lr": 3e-3, "warmup_steps": 5},
+        "log": {"every_steps": 20},
+        "checkpoint": {"storage_path": str(tmp_path / "runs")},
+    }
+    (project / "cnn.yaml").write_text(json.dumps(spec))
+    summary_path = tmp_path / "summary.json"
+    proc = run(
+        [
+            *(str(BIN / "ray"), "job", "submit", "--address", head_node),
+            *("--working-dir", str(project), "--"),
+            *("trainstack", "run", "cnn.yaml", "--progress", "lines"),
+            *("--summary-json", str(summary_path)),
+        ],
+        timeout=420,
+        PYTHONPATH="",
+        **auth,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "step 60/60" in proc.stdout
+    summary = json.loads(summary_path.read_text())
+    assert summary["task"] == "classify" and summary["world_size"] == 2
+    # Chance is 10% on 10 classes; 60 steps of the CNN get well past it.
+    assert summary["eval_accuracy"] > 0.6

@@ -144,9 +144,12 @@ def test_build_corpus_follows_the_data_spec() -> None:
     cfg = DataConfig(vocab_size=12, order=2, concentration=0.5, seed=3)
     built = build_corpus(cfg)
     direct = MarkovCorpus(vocab_size=12, order=2, concentration=0.5, seed=3)
-    assert {"markov": MarkovCorpus} == DATA_SOURCES
+    assert DATA_SOURCES["markov"] is MarkovCorpus
     np.testing.assert_array_equal(built.transitions, direct.transitions)
     assert torch.equal(built.samples(0, 4, SEQ), direct.samples(0, 4, SEQ))
+    x, y = built.train_batch(0, 4, seq_len=SEQ)
+    assert torch.equal(x, direct.samples(0, 4, SEQ)[:, :-1])
+    assert torch.equal(y, direct.samples(0, 4, SEQ)[:, 1:])
     with pytest.raises(ConfigError, match=r"data\.kind"):
         build_corpus(DataConfig(kind="wiki"))
 

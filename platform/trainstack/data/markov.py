@@ -8,9 +8,10 @@ distribution over k-tuples, so every position is distributed alike and the entro
 rate is the floor of the cross-entropy a perfect model reaches.
 
 Samples are addressed by a global index: sample i is a function of (seed, i) alone,
-computed from counter-based uniforms (a splitmix64 hash), so any window of the
-stream can be produced without the samples before it. Training uses indices
-[0, 2**40); the held-out evaluation set starts at EVAL_START = 2**40.
+computed from counter-based uniforms (a splitmix64 hash, `index_uniforms`, which
+the clusters source shares), so any window of the stream can be produced without the
+samples before it. Training uses indices [0, 2**40); the held-out evaluation set
+starts at EVAL_START = 2**40.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import math
 import numpy as np
 import torch
 
-from trainstack.config import ConfigError
+from trainstack.config import ConfigError, DataConfig
+from trainstack.data.sharding import Batch
 
 EVAL_START = 2**40
 """First global index of the evaluation samples; training indices stay below it."""
@@ -37,6 +39,30 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return z ^ (z >> np.uint64(31))
+
+
+def stream_key(seed: int) -> np.uint64:
+    """The 64-bit key of a seed's sample stream, for `index_uniforms`."""
+    key: np.uint64 = _splitmix64(np.array([seed % 2**64], dtype=np.uint64))[0]
+    return key
+
+
+def index_uniforms(key: np.uint64, index: np.ndarray, width: int) -> np.ndarray:
+    """float64 [len(index), width] uniforms in [0, 1), counter-based.
+
+    Entry (i, p) is a splitmix64 hash of (key, index[i], p) alone: a row depends only
+    on its global index, and a wider call extends the same row.
+    """
+    row_key = _splitmix64(key ^ _splitmix64(index.astype(np.uint64)))
+    pos = np.arange(width, dtype=np.uint64) * _GOLDEN
+    bits = _splitmix64(row_key[:, None] + pos[None, :])
+    uniforms: np.ndarray = (bits >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    return uniforms
+
+
+def _shifted(x: torch.Tensor) -> Batch:
+    """Next-token pairs of token windows [b, T + 1]: (x[:, :-1], x[:, 1:])."""
+    return x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
 
 def _entropy(p: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -73,6 +99,16 @@ class MarkovCorpus:
         self.concentration = concentration
 
     @classmethod
+    def from_config(cls, cfg: DataConfig) -> MarkovCorpus:
+        """The corpus the spec's data section describes."""
+        return cls(
+            vocab_size=cfg.vocab_size,
+            order=cfg.order,
+            concentration=cfg.concentration,
+            seed=cfg.seed,
+        )
+
+    @classmethod
     def from_transitions(cls, trans: np.ndarray, order: int, *, seed: int = 0) -> MarkovCorpus:
         """A corpus with the given transition rows, shape (V**order, V), each summing to 1."""
         trans = np.asarray(trans, dtype=np.float64)
@@ -99,7 +135,7 @@ class MarkovCorpus:
         self._cum_rows = cum.ravel()
         self._cum_stationary = np.cumsum(self.stationary)
         self._cum_stationary[-1] = 1.0
-        self._key = _splitmix64(np.array([seed % 2**64], dtype=np.uint64))[0]
+        self._key = stream_key(seed)
 
     def _stationary_distribution(self, tol: float = 1e-12, max_iter: int = 100_000) -> np.ndarray:
         """Stationary distribution over k-tuples by power iteration (L1 change < tol).
@@ -156,10 +192,7 @@ class MarkovCorpus:
         V, k = self.vocab_size, self.order
         n_tokens = seq_len + 1
         index = np.arange(start, start + count, dtype=np.uint64)
-        row_key = _splitmix64(self._key ^ _splitmix64(index))
-        pos = np.arange(n_tokens, dtype=np.uint64) * _GOLDEN
-        bits = _splitmix64(row_key[:, None] + pos[None, :])
-        u = (bits >> np.uint64(11)).astype(np.float64) * 2.0**-53  # [count, n_tokens] in [0, 1)
+        u = index_uniforms(self._key, index, n_tokens)  # [count, n_tokens] in [0, 1)
 
         out = np.empty((count, max(n_tokens, k)), dtype=np.int64)
         state = np.searchsorted(self._cum_stationary, u[:, 0], side="right")
@@ -192,3 +225,12 @@ class MarkovCorpus:
     def eval_samples(self, count: int, seq_len: int) -> torch.Tensor:
         """The held-out set: samples EVAL_START..EVAL_START+count-1, disjoint from training."""
         return self.samples(EVAL_START, count, seq_len)
+
+    def train_batch(self, start: int, count: int, *, seq_len: int) -> Batch:
+        """Training samples start..start+count-1 as next-token pairs: (inputs, targets),
+        both int64 [count, seq_len], targets the inputs shifted left by one token."""
+        return _shifted(self.samples(start, count, seq_len))
+
+    def held_out_batch(self, count: int, *, seq_len: int) -> Batch:
+        """The first `count` held-out samples as next-token pairs, like `train_batch`."""
+        return _shifted(self.eval_samples(count, seq_len))

@@ -9,6 +9,8 @@ size b and A = G / (b * N) accumulation micro-steps, micro-step a of rank r is
 so the union over ranks and micro-steps is exactly [g0, g0 + G): the same global
 batch a 1-worker run sees. The cursor counts samples of the global stream, so a run
 resumed with a different number of workers continues without skipping or repeating.
+The corpus turns an index range into a `Batch` itself (next-token pairs for `lm`,
+inputs and labels for `classify`), so this file is the same for every task.
 """
 
 from __future__ import annotations
@@ -20,24 +22,27 @@ from typing import Protocol
 import torch
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-"""(inputs x[:, :-1], targets x[:, 1:]), both int64 [b, seq_len]."""
+"""(inputs, targets) of one micro-batch, rows in global-index order: token ids
+int64 [b, seq_len] and the next tokens (markov), or inputs float32 [b, *shape] and
+labels int64 [b] (clusters)."""
 
 
 class Corpus(Protocol):
-    """A token stream whose samples are addressed by a global index."""
+    """A sample stream addressed by a global index, with a disjoint held-out set."""
 
-    vocab_size: int
-
-    def samples(self, start: int, count: int, seq_len: int) -> torch.Tensor:
-        """Samples start..start+count-1, int64 [count, seq_len + 1]."""
+    def train_batch(self, start: int, count: int, *, seq_len: int) -> Batch:
+        """Training samples start..start+count-1 as (inputs, targets); row i depends on
+        the corpus and the index start + i alone."""
         ...
 
-    def eval_samples(self, count: int, seq_len: int) -> torch.Tensor:
-        """The first `count` held-out samples, disjoint from every training index."""
+    def held_out_batch(self, count: int, *, seq_len: int) -> Batch:
+        """The first `count` held-out samples as (inputs, targets), disjoint from every
+        training index; a larger count extends the same rows."""
         ...
 
     def loss_floor(self, seq_len: int) -> float:
-        """The lowest mean cross-entropy a model can reach on seq_len targets."""
+        """The lowest mean held-out cross-entropy a model can reach (sequence sources:
+        on seq_len targets; others ignore seq_len)."""
         ...
 
 
@@ -52,10 +57,6 @@ class DataCursor:
     @classmethod
     def from_state_dict(cls, state: Mapping[str, int]) -> DataCursor:
         return cls(samples_seen=int(state["samples_seen"]))
-
-
-def _split(x: torch.Tensor) -> Batch:
-    return x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
 
 @dataclass(kw_only=True)
@@ -90,7 +91,7 @@ class ShardedBatches:
         batches = []
         for a in range(self.accum_steps):
             start = g0 + a * n * b + self.rank * b
-            batches.append(_split(self.corpus.samples(start, b, self.seq_len)))
+            batches.append(self.corpus.train_batch(start, b, seq_len=self.seq_len))
         self.cursor.samples_seen += self.global_batch_size
         return batches
 
@@ -108,5 +109,6 @@ def eval_batches(
     lo, hi = rank * count // world_size, (rank + 1) * count // world_size
     if hi == lo:
         return []
-    rows = corpus.eval_samples(hi, seq_len)[lo:]
-    return [_split(chunk) for chunk in rows.split(micro_batch_size)]
+    inputs, targets = corpus.held_out_batch(hi, seq_len=seq_len)
+    xs, ys = inputs[lo:].split(micro_batch_size), targets[lo:].split(micro_batch_size)
+    return list(zip(xs, ys, strict=True))

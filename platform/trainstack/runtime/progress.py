@@ -85,15 +85,21 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{loss:.4f} (held-out)" if summary.get("eval_loss") is not None else f"{loss:.4f}",
         ),
     ]
+    classify = summary.get("task") == "classify"
     if floor is not None:
         rows.append(
             (
-                "entropy floor",
+                "Bayes floor" if classify else "entropy floor",
                 f"{floor:.4f}  (final loss is {100 * (loss / floor - 1):+.1f}% above)",
             )
         )
+    if summary.get("eval_accuracy") is not None and classify:
+        rows.append(("accuracy", f"{summary['eval_accuracy']:.2%} (held-out)"))
+    if summary.get("eval_bits_per_token") is not None:
+        rows.append(("bits/token", f"{summary['eval_bits_per_token']:.4f} (held-out)"))
+    if not classify:  # a classify sample is one "token": samples/s says it
+        rows.append(("tokens/s", f"{summary['tokens_per_s']:,.0f}  (steady state)"))
     rows += [
-        ("tokens/s", f"{summary['tokens_per_s']:,.0f}  (steady state)"),
         ("samples/s", f"{summary['samples_per_s']:,.1f}"),
         ("MFU", _mfu(summary["mfu"])),
         ("peak memory", f"{summary['peak_mem_bytes'] / 2**20:,.0f} MiB per worker"),
