@@ -164,6 +164,7 @@ def build_manifest(
     files: dict[str, dict[str, Any]],
     metrics: dict[str, Any],
     model_shapes: dict[str, list[int]],
+    data: dict[str, Any],
 ) -> dict[str, Any]:
     import ray
 
@@ -184,8 +185,22 @@ def build_manifest(
         "created_unix": time.time(),
         "metrics": metrics,
         "model_shapes": model_shapes,
+        "data": data,
         "files": files,
     }
+
+
+def check_same_data(start: Checkpoint, fingerprint: str, *, allow: bool) -> None:
+    """Raise CheckpointError when `start` was trained on other data than `fingerprint`
+    describes, unless `allow` (`data.allow_changed`)."""
+    saved = start.manifest.get("data", {}).get("fingerprint")
+    if saved is None or saved == fingerprint or allow:
+        return
+    raise CheckpointError(
+        f"{start.path} was trained on other data (fingerprint {saved[:12]} in the checkpoint, "
+        f"{fingerprint[:12]} now); resume anyway with --set data.allow_changed=true, or choose "
+        "another name"
+    )
 
 
 def parameter_shapes(model: torch.nn.Module) -> dict[str, list[int]]:

@@ -99,9 +99,43 @@ class TaskConfig:
 @dataclass(kw_only=True)
 class DataConfig:
     kind: str = "markov"
-    """Data source: `markov` (synthetic Markov-chain text with an exact entropy floor, for
-    `task.kind: lm`) or `clusters` (synthetic labelled inputs with a known Bayes
-    accuracy, for `task.kind: classify`)."""
+    """Data source. Synthetic: `markov` (Markov-chain text with an exact entropy floor,
+    for `lm`), `clusters` (labelled inputs with a known Bayes accuracy, for `classify`).
+    Yours: `tokens` (flat token files), `text` (text files and a tokenizer), `arrays`
+    (.npz/.npy inputs and labels), `ray` (a Ray Data dataset), `custom` (a map-style
+    torch Dataset named by `target`)."""
+    train: tuple[str, ...] = ()
+    """tokens, text, arrays, ray: training files, paths or globs (relative to the working
+    directory)."""
+    val: tuple[str, ...] = ()
+    """tokens, text, arrays, ray: held-out files, paths or globs; empty: `val_fraction`."""
+    val_fraction: float = 0.0
+    """Without `val`: the fraction of the training samples (text: of its files) held out,
+    in [0, 0.5)."""
+    tokenizer: str = "bytes"
+    """text: `bytes` (vocabulary 256, no files) or a Hugging Face `tokenizers` JSON file."""
+    prepared_dir: str = ""
+    """text: where `trainstack prepare` writes token files; empty:
+    `<checkpoint.storage_path>/prepared/<fingerprint>`. Never the user's data directory."""
+    token_dtype: str = "auto"
+    """tokens: `auto` (from the llm.c header, else uint16), `uint16` or `uint32`."""
+    inputs_key: str = "inputs"
+    """arrays: the .npz key (or .npy file stem) of the inputs."""
+    labels_key: str = "labels"
+    """arrays: the .npz key (or .npy file stem) of the labels."""
+    format: str = "parquet"
+    """ray: the reader for `train`/`val`: `parquet`, `json` (JSON lines) or `text`."""
+    column: str = "tokens"
+    """ray: the column holding each row's `model.block_size + 1` token ids (lm)."""
+    target: str = ""
+    """custom: `package.module:attribute` returning a map-style torch Dataset of
+    (inputs, target) items; ray: a function returning a `ray.data.Dataset`."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """custom, ray: keyword arguments `target` is called with."""
+    shuffle: bool = True
+    """Indexed sources: read each epoch in a permutation seeded by (`seed`, epoch)."""
+    allow_changed: bool = False
+    """Resume even if the data's fingerprint differs from the checkpoint's."""
     vocab_size: int = 64
     """Tokens in the vocabulary (2..65536); the model's vocabulary follows it."""
     order: int = 1

@@ -30,8 +30,18 @@ MODEL_KINDS: tuple[str, ...] = ("gpt", "mlp", "custom", "hf")
 BUILTIN_MODEL_KINDS: tuple[str, ...] = ("gpt", "mlp")
 """Models whose structure the spec alone determines; the others are built to be known."""
 TASK_KINDS: tuple[str, ...] = ("lm", "classify")
-DATA_KINDS: tuple[str, ...] = ("markov", "clusters")
-DATA_TASKS: dict[str, str] = {"markov": "lm", "clusters": "classify"}
+DATA_KINDS: tuple[str, ...] = ("markov", "clusters", "tokens", "text", "arrays", "ray", "custom")
+DATA_TASKS: dict[str, str] = {
+    "markov": "lm",
+    "clusters": "classify",
+    "tokens": "lm",
+    "text": "lm",
+    "arrays": "classify",
+    "ray": "lm",
+}
+"""The task each data source's samples are for (custom serves either)."""
+TOKEN_DTYPES: tuple[str, ...] = ("auto", "uint16", "uint32")
+RAY_FORMATS: tuple[str, ...] = ("parquet", "json", "text")
 """The task each data source's samples are for."""
 IMPORT_PATH = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*")
 """`package.module:attribute`, the form of model.target and task.loss."""
@@ -298,6 +308,7 @@ def _validate_data(d: DataConfig) -> None:
     shape_ok = 1 <= len(d.shape) <= 4 and math.prod(d.shape) <= MAX_INPUT_NUMEL
     allowed_shape = f"1 to 4 sizes whose product is at most {MAX_INPUT_NUMEL}"
     _require("data.shape", shape_ok, list(d.shape), allowed_shape)
+    _validate_data_files(d)
     if d.kind == "clusters" and d.num_classes * math.prod(d.shape) > MAX_TEMPLATE_NUMEL:
         raise ConfigError(
             f"data.num_classes × data.shape = {d.num_classes} × {list(d.shape)} gives "
@@ -320,6 +331,54 @@ def _validate_data(d: DataConfig) -> None:
             f"data.vocab_size={d.vocab_size} with data.order={d.order} gives {states} Markov "
             f"states (vocab_size**order), more than the {MAX_MARKOV_STATES} (2**20) that fit; "
             "lower data.vocab_size or data.order"
+        )
+
+
+FILE_SOURCES: tuple[str, ...] = ("tokens", "text", "arrays", "ray")
+"""Sources that read the user's files, named by `data.train` / `data.val`."""
+
+
+def _validate_data_files(d: DataConfig) -> None:
+    """Where the user's data comes from; whether the files exist is pre-flight's to say."""
+    _require("data.val_fraction", 0 <= d.val_fraction < 0.5, d.val_fraction, "[0, 0.5)")
+    _check_choice("data.token_dtype", d.token_dtype, TOKEN_DTYPES)
+    _check_choice("data.format", d.format, RAY_FORMATS)
+    from_files = d.kind in FILE_SOURCES and not (d.kind == "ray" and d.target)
+    if from_files and not d.train:
+        raise ConfigError(
+            f"data.train is empty; data.kind={d.kind} reads your files: set data.train to "
+            "paths or globs, e.g. data.train=[corpus/*.bin]"
+        )
+    if d.kind == "custom" or (d.kind == "ray" and d.target):
+        what = "a map-style torch Dataset" if d.kind == "custom" else "a ray.data.Dataset"
+        _check_import_path("data.target", d.target, what=f"a function or class returning {what}")
+    if d.val and d.val_fraction:
+        raise ConfigError(
+            f"data.val and data.val_fraction={d.val_fraction} are both set; hold out either "
+            "files (data.val) or a share of data.train (data.val_fraction), not both"
+        )
+    for key, value in (("data.inputs_key", d.inputs_key), ("data.labels_key", d.labels_key)):
+        if not value or "/" in value:
+            raise ConfigError(f"{key}={show(value)} is not a key; allowed: a name without '/'")
+    if d.inputs_key == d.labels_key:
+        raise ConfigError(
+            f"data.inputs_key and data.labels_key are both {show(d.inputs_key)}; they must differ"
+        )
+    indexed = ("tokens", "text", "arrays", "custom")
+    if d.kind in indexed and d.eval_samples and not (d.val or d.val_fraction):
+        raise ConfigError(
+            f"data.eval_samples={d.eval_samples} needs held-out data: set data.val (files) or "
+            "data.val_fraction (a share of data.train), or data.eval_samples=0"
+        )
+    if d.kind == "text" and d.tokenizer != "bytes" and not d.tokenizer.endswith(".json"):
+        raise ConfigError(
+            f"data.tokenizer={show(d.tokenizer)} is not a tokenizer; allowed: bytes, or the "
+            "path of a Hugging Face tokenizers JSON file (tokenizer.json)"
+        )
+    if d.kind == "text" and d.tokenizer == "bytes" and d.vocab_size != 256:
+        raise ConfigError(
+            f"data.vocab_size={d.vocab_size} does not match data.tokenizer=bytes; set "
+            "data.vocab_size=256 (one token per byte)"
         )
 
 
@@ -616,7 +675,30 @@ def _validate_faults(cfg: JobConfig) -> None:
     _require("faults.seed", 0 <= f.seed <= MAX_SEED, f.seed, f"0 to {MAX_SEED}")
 
 
+def _validate_streaming(cfg: JobConfig) -> None:
+    """`data.kind: ray` streams rows through Ray Train's dataset shards, G / N per worker."""
+    d, workers = cfg.data, cfg.scaling.num_workers
+    if d.kind != "ray":
+        return
+    if cfg.strategy.kind == "ps":
+        raise ConfigError(
+            "data.kind=ray streams through Ray Train's dataset shards, which the parameter "
+            "server does not use; allowed with strategy.kind ddp, zero or pipeline"
+        )
+    if d.val_fraction:
+        raise ConfigError(
+            f"data.val_fraction={d.val_fraction} is not supported with data.kind=ray (a stream "
+            "has no known size); name held-out files in data.val"
+        )
+    if cfg.train.global_batch_size % workers:
+        raise ConfigError(
+            f"train.global_batch_size={cfg.train.global_batch_size} must be divisible by "
+            f"scaling.num_workers={workers} with data.kind=ray (each worker reads G / N rows)"
+        )
+
+
 def _validate_cross_section(cfg: JobConfig) -> None:
+    _validate_streaming(cfg)
     t, o = cfg.train, cfg.optim
     replicas = cfg.data_parallel_size
     per_step = t.micro_batch_size * replicas

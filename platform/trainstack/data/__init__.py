@@ -1,25 +1,51 @@
 """Data sources (an explicit name -> class dict) and deterministic rank sharding.
 
 Every source serves `(inputs, targets)` micro-batches by global sample index
-(`sharding.Corpus`): `markov` token windows for `task.kind: lm`, `clusters` labelled
-inputs for `task.kind: classify`.
+(`sharding.Corpus`) and names its data by a `fingerprint`: synthetic `markov` token
+windows (`task.kind: lm`) and `clusters` labelled inputs (`classify`); your files as
+`tokens` (flat token files, lm) and `arrays` (.npz / .npy inputs and labels,
+classify); your own map-style Dataset as `custom`. The file and Dataset sources are
+finite and read in seeded epochs (`indexed.IndexedCorpus`). `ray` streams are built
+by `ray_source` instead, and `text` by `text` from files `trainstack prepare` wrote.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from trainstack.config import ConfigError, DataConfig
+from trainstack.data.arrays import ArrayCorpus
 from trainstack.data.clusters import ClustersCorpus
+from trainstack.data.custom_dataset import DatasetCorpus
+from trainstack.data.indexed import IndexedCorpus
 from trainstack.data.markov import EVAL_START, MarkovCorpus
+from trainstack.data.ray_source import RaySource
 from trainstack.data.sharding import Batch, Corpus, DataCursor, ShardedBatches, eval_batches
+from trainstack.data.tokens import TokenCorpus
 
-Source = MarkovCorpus | ClustersCorpus
-"""The built-in data sources."""
+Source = MarkovCorpus | ClustersCorpus | IndexedCorpus | TokenCorpus | RaySource
+"""The built-in data sources: a corpus with a `fingerprint`."""
 
-DATA_SOURCES: dict[str, type[Source]] = {"markov": MarkovCorpus, "clusters": ClustersCorpus}
+
+class SourceKind(Protocol):
+    """A data source's class: it builds the corpus a spec's data section describes."""
+
+    def from_config(self, cfg: DataConfig) -> Source: ...
+
+
+DATA_SOURCES: dict[str, SourceKind] = {
+    "markov": MarkovCorpus,
+    "clusters": ClustersCorpus,
+    "tokens": TokenCorpus,
+    "arrays": ArrayCorpus,
+    "custom": DatasetCorpus,
+    "ray": RaySource,  # pre-flight's view; workers stream through `ray_stream`
+}
 
 
 def build_corpus(cfg: DataConfig) -> Source:
-    """The corpus named by `cfg.kind`, built from the spec's data section."""
+    """The corpus named by `cfg.kind`, built from the spec's data section (file paths
+    already absolute: `paths.resolve_data`)."""
     if cfg.kind not in DATA_SOURCES:
         allowed = ", ".join(sorted(DATA_SOURCES))
         raise ConfigError(f"data.kind: unknown data source {cfg.kind!r}; allowed: {allowed}")
@@ -29,13 +55,18 @@ def build_corpus(cfg: DataConfig) -> Source:
 __all__ = [
     "DATA_SOURCES",
     "EVAL_START",
+    "ArrayCorpus",
     "Batch",
     "ClustersCorpus",
     "Corpus",
     "DataCursor",
+    "DatasetCorpus",
+    "IndexedCorpus",
     "MarkovCorpus",
     "ShardedBatches",
     "Source",
+    "SourceKind",
+    "TokenCorpus",
     "build_corpus",
     "eval_batches",
 ]

@@ -21,6 +21,8 @@ indices [0, EVAL_START); the held-out set starts at EVAL_START.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 
 import numpy as np
@@ -88,6 +90,19 @@ class ClustersCorpus:
             eval_samples=cfg.eval_samples,
         )
 
+    @property
+    def fingerprint(self) -> str:
+        """Digest of the parameters that determine every sample: num_classes, shape,
+        noise and seed (eval_samples only chooses how many are evaluated)."""
+        what = {
+            "kind": "clusters",
+            "num_classes": self.num_classes,
+            "shape": list(self.shape),
+            "noise": self.noise,
+            "seed": self.seed,
+        }
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
     def train_batch(self, start: int, count: int, *, seq_len: int) -> Batch:
         """Training samples start..start+count-1: inputs float32 [count, *shape] and
         labels int64 [count]. Row i depends only on (seed, start + i); seq_len is ignored."""
@@ -148,6 +163,10 @@ class ClustersCorpus:
         peak = logits.max(axis=1)
         log_norm = peak + np.log(np.exp(logits - peak[:, None]).sum(axis=1))
         return float((log_norm - logits[np.arange(count), labels]).mean())
+
+    def epoch(self, samples_seen: int, *, seq_len: int) -> int:
+        """The stream never repeats: every sample is in epoch 0."""
+        return 0
 
     def loss_floor(self, seq_len: int) -> float:
         """The Bayes cross-entropy on the held-out set the run evaluates (`bayes_loss` of

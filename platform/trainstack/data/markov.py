@@ -16,6 +16,9 @@ starts at EVAL_START = 2**40.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import math
 
 import numpy as np
@@ -160,6 +163,21 @@ class MarkovCorpus:
             f"the stationary distribution did not converge in {max_iter} steps; "
             "the chain mixes too slowly (raise data.concentration)"
         )
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """Digest of the parameters that determine every sample: vocab_size, order,
+        concentration and seed (or, from `from_transitions`, the rows themselves)."""
+        what: dict[str, object] = {"kind": "markov", "order": self.order, "seed": self.seed}
+        if math.isnan(self.concentration):
+            what["transitions"] = hashlib.sha256(self.transitions.tobytes()).hexdigest()
+        else:
+            what.update(vocab_size=self.vocab_size, concentration=self.concentration)
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
+    def epoch(self, samples_seen: int, *, seq_len: int) -> int:
+        """The stream never repeats: every sample is in epoch 0."""
+        return 0
 
     def loss_floor(self, seq_len: int) -> float:
         """The lowest mean cross-entropy (nats) any model can reach on this data.

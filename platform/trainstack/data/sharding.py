@@ -40,9 +40,18 @@ class Corpus(Protocol):
         training index; a larger count extends the same rows."""
         ...
 
-    def loss_floor(self, seq_len: int) -> float:
+    @property
+    def fingerprint(self) -> str:
+        """Digest of the data (files' sizes and hashes, or a synthetic source's parameters)."""
+        ...
+
+    def epoch(self, samples_seen: int, *, seq_len: int) -> int:
+        """The epoch sample `samples_seen` of the stream belongs to."""
+        ...
+
+    def loss_floor(self, seq_len: int) -> float | None:
         """The lowest mean held-out cross-entropy a model can reach (sequence sources:
-        on seq_len targets; others ignore seq_len)."""
+        on seq_len targets; others ignore seq_len); None where unknown (real data)."""
         ...
 
 

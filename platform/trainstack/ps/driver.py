@@ -36,6 +36,7 @@ from trainstack.ps.partition import ShardLayout, partition
 from trainstack.ps.shard import ParameterServerShard
 from trainstack.ps.worker import ParameterServerWorker
 from trainstack.runtime.local import DirectoryCheckpointStore
+from trainstack.runtime.loop import data_epoch
 from trainstack.runtime.progress import ProgressDisplay
 from trainstack.tasks import EvalSums, build_task, eval_mode, evaluate
 
@@ -336,15 +337,21 @@ def _save_final(cfg: JobConfig, model: Any, *, run_dir: Path, summary: dict[str,
     """The final weights as a standard checkpoint any strategy loads."""
     step = summary["steps"]
     name = ckpt.dir_name(step)
+    samples_seen = step * cfg.train.global_batch_size
+    corpus = build_corpus(cfg.data)
     with tempfile.TemporaryDirectory(prefix="trainstack-ps-") as tmp:
         staging = Path(tmp)
         entries = ckpt.write_rank_files(staging, {"model.pt": model.state_dict()})
         manifest = ckpt.build_manifest(
             step=step,
-            samples_seen=step * cfg.train.global_batch_size,
-            tokens_seen=step * cfg.train.global_batch_size * cfg.tokens_per_sample,
+            samples_seen=samples_seen,
+            tokens_seen=samples_seen * cfg.tokens_per_sample,
             spec=config_to_dict(cfg),
             model_shapes=ckpt.parameter_shapes(model),
+            data={
+                "fingerprint": corpus.fingerprint,
+                "epoch": data_epoch(corpus, samples_seen, seq_len=cfg.model.block_size),
+            },
             strategy="ps",
             world_size=cfg.scaling.num_workers,
             files=entries,

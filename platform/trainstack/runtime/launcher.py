@@ -28,6 +28,7 @@ from ray.util.queue import Empty, Queue
 
 from trainstack import checkpoint as ckpt
 from trainstack.config import JobConfig, config_from_dict, config_to_dict
+from trainstack.data.ray_source import ray_datasets, ray_ingest_config
 from trainstack.runtime.loop import train
 from trainstack.runtime.preflight import preflight
 from trainstack.runtime.progress import ProgressDisplay
@@ -210,10 +211,12 @@ def run_job(
     """
     wall_start = time.perf_counter()
     report = preflight(cfg)
+    cfg = report.cfg
     run_dir = ckpt.run_dir_for(cfg)
     start = ckpt.find_start(run_dir, resume_from=resume_from, on_corrupt=cfg.checkpoint.on_corrupt)
     if start is not None:
         ckpt.check_same_model(start, report.shapes)
+        ckpt.check_same_data(start, report.data_fingerprint, allow=cfg.data.allow_changed)
     if start is not None and start.step >= cfg.train.steps:
         summary = dict(start.manifest["metrics"])
         summary.update(
@@ -222,6 +225,8 @@ def run_job(
         return summary
 
     started_local = connect(address)
+    # data.kind: ray: the driver builds the datasets Ray Train splits among the workers
+    datasets = ray_datasets(cfg) if cfg.data.kind == "ray" else None
     tracker = start_tracking(cfg, run_dir=run_dir, tags=tracking_tags)
     if cfg.strategy.kind == "ps":
         return _run_parameter_server(
@@ -239,6 +244,8 @@ def run_job(
         resources["GPU"] = 1
     trainer = TorchTrainer(
         train_loop_per_worker=_train_worker,
+        datasets=datasets,
+        dataset_config=ray_ingest_config() if datasets else None,
         train_loop_config={
             "spec": config_to_dict(cfg),
             "events": events,

@@ -63,11 +63,14 @@ def run_processes(
     Raises if a process dies (e.g. an injected fault); running it again resumes.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
+    report = preflight(cfg)
+    cfg = report.cfg
     start = ckpt.find_start(
         ckpt.run_dir_for(cfg), resume_from=resume_from, on_corrupt=cfg.checkpoint.on_corrupt
     )
     if start is not None:
-        ckpt.check_same_model(start, preflight(cfg).shapes)
+        ckpt.check_same_model(start, report.shapes)
+        ckpt.check_same_data(start, report.data_fingerprint, allow=cfg.data.allow_changed)
     args = (config_to_dict(cfg), world_size, free_port(), str(out_dir), resume_from)
     if world_size == 1 and not cfg.faults.kill_at_steps and not cfg.faults.random_kills:
         _worker(0, *args)  # in-process: no start-up cost for single-process references

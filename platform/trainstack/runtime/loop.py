@@ -19,7 +19,9 @@ import torch.distributed as dist
 
 from trainstack import checkpoint as ckpt
 from trainstack.config import JobConfig, config_to_dict
-from trainstack.data import build_corpus
+from trainstack.data import Source, build_corpus
+from trainstack.data.ray_source import RaySource
+from trainstack.data.ray_stream import RayStepBatches
 from trainstack.data.sharding import DataCursor, ShardedBatches, eval_batches
 from trainstack.metrics import ThroughputMeter, device_peak_flops, mfu, peak_memory_bytes
 from trainstack.models import build_model, num_params
@@ -71,7 +73,9 @@ def train(
     emit = on_event or (lambda record: None)
     entered = time.time()
     torch.set_num_threads(torch_threads(cfg))
-    corpus = build_corpus(cfg.data)
+    corpus: Source = (  # ray: held-out rows from Ray Train's `val` dataset
+        RaySource.from_shard(cfg.data) if cfg.data.kind == "ray" else build_corpus(cfg.data)
+    )
     task = build_task(cfg)
     seq_len = cfg.model.block_size
     model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.train.seed)
@@ -100,15 +104,19 @@ def train(
         )
     # Replicas split the samples; ranks of one replica (a pipeline) see the same ones.
     replicas = cfg.data_parallel_size
-    batches = ShardedBatches(
-        corpus=corpus,
-        seq_len=seq_len,
-        global_batch_size=cfg.train.global_batch_size,
-        micro_batch_size=cfg.train.micro_batch_size,
-        rank=ctx.rank % replicas,
-        world_size=replicas,
-        cursor=DataCursor(samples_seen=restored.samples_seen if restored else 0),
-    )
+    batches: ShardedBatches | RayStepBatches
+    if isinstance(corpus, RaySource):  # rows streamed from this rank's shard, resumed by count
+        batches = RayStepBatches.for_worker(cfg, ctx, restored=restored)
+    else:
+        batches = ShardedBatches(
+            corpus=corpus,
+            seq_len=seq_len,
+            global_batch_size=cfg.train.global_batch_size,
+            micro_batch_size=cfg.train.micro_batch_size,
+            rank=ctx.rank % replicas,
+            world_size=replicas,
+            cursor=DataCursor(samples_seen=restored.samples_seen if restored else 0),
+        )
     meter = ThroughputMeter(
         tokens_per_step=cfg.train.global_batch_size * cfg.tokens_per_sample,
         samples_per_step=cfg.train.global_batch_size,
@@ -129,6 +137,7 @@ def train(
 
     def save(step: int, metrics: dict[str, Any]) -> None:
         started = time.perf_counter()
+        seen = batches.cursor.samples_seen
         _save_checkpoint(
             cfg,
             ctx,
@@ -136,9 +145,14 @@ def train(
             run_dir=run_dir,
             store=store,
             step=step,
-            samples_seen=batches.cursor.samples_seen,
+            samples_seen=seen,
             metrics=metrics,
             shapes=shapes,
+            data={
+                "fingerprint": corpus.fingerprint,
+                "epoch": data_epoch(corpus, seen, seq_len=seq_len),
+                **(batches.position() if isinstance(batches, RayStepBatches) else {}),
+            },
         )
         telemetry.record_checkpoint(time.perf_counter() - started)
 
@@ -228,8 +242,15 @@ def train(
         **_comm_metrics(out),
         **(strategy.run_metrics() if isinstance(strategy, ReportsLayout) else {}),
     }
+    if isinstance(batches, RayStepBatches):
+        summary["rows_consumed"] = batches.cursor.samples_seen  # steps x global batch, once
     save(cfg.train.steps, summary)
     return TrainOutcome(summary=summary, strategy=strategy)
+
+
+def data_epoch(corpus: Source, samples_seen: int, *, seq_len: int) -> int:
+    """The epoch of the data the next step reads (synthetic streams never repeat: 0)."""
+    return corpus.epoch(samples_seen, seq_len=seq_len)
 
 
 def _comm_metrics(out: StepOutput) -> dict[str, Any]:
@@ -251,6 +272,7 @@ def _save_checkpoint(
     samples_seen: int,
     metrics: dict[str, Any],
     shapes: dict[str, list[int]],
+    data: dict[str, Any],
 ) -> None:
     """Every rank stages its files; rank 0 adds the manifest listing all of them."""
     with tempfile.TemporaryDirectory(prefix="trainstack-ckpt-") as tmp:
@@ -265,6 +287,7 @@ def _save_checkpoint(
                 tokens_seen=samples_seen * cfg.tokens_per_sample,
                 spec=spec,
                 model_shapes=shapes,
+                data=data,
                 strategy=strategy.name,
                 world_size=ctx.world_size,
                 files=entries,

@@ -1,10 +1,12 @@
 """Pre-flight: everything about a job the driver can check before Ray starts.
 
-The user's model target imports and builds (seeded, as the workers will build it),
-`task.loss` imports, one micro-batch of the job's data goes through the model and the
-task's loss (so an output of the wrong shape is one line here, not a worker
-traceback), and the layout fits the model (pipeline layers, parameter-server shards).
-Every problem is a `ConfigError`: one line, exit 2, nothing started.
+The data's files are found (globs expanded to absolute paths, which is the spec the
+workers get), checked (sizes, dtypes, token ids and labels in range) and, for text,
+prepared once; the user's model target imports and builds (seeded, as the workers
+will build it), `task.loss` imports, one micro-batch of the job's data goes through
+the model and the task's loss (so an output of the wrong shape is one line here, not
+a worker traceback), and the layout fits the model (pipeline layers, parameter-server
+shards). Every problem is a `ConfigError`: one line, exit 2, nothing started.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from torch import nn
 
 from trainstack import checkpoint as ckpt
 from trainstack.config import ConfigError, JobConfig
-from trainstack.data import build_corpus, eval_batches
+from trainstack.data import Source, build_corpus
+from trainstack.data.paths import resolve_data
 from trainstack.models import build_model, num_params
 from trainstack.tasks import Task, TaskOutputError, build_task
 from trainstack.user_code import describe_exception
@@ -24,8 +27,12 @@ from trainstack.user_code import describe_exception
 
 @dataclass(frozen=True, kw_only=True)
 class PreflightReport:
-    """What the driver learnt about the job's model."""
+    """What the driver learnt about the job."""
 
+    cfg: JobConfig
+    """The spec the workers run: data paths resolved (`data.paths.resolve_data`)."""
+    data_fingerprint: str
+    """Digest of the data, which a checkpoint must match to resume."""
     model_class: str
     params: int
     shapes: dict[str, list[int]]
@@ -34,9 +41,11 @@ class PreflightReport:
 
 def preflight(cfg: JobConfig) -> PreflightReport:
     """Check `cfg` against its model and data on the driver; raise ConfigError."""
+    cfg = resolve_data(cfg)
+    corpus = check_data(cfg)
     task = build_task(cfg)
     model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.train.seed)
-    check_model_runs(cfg, model, task=task)
+    check_model_runs(cfg, model, task=task, corpus=corpus)
     if cfg.strategy.kind == "pipeline":
         from trainstack.strategies.pipeline_split import check_pipeline_model
 
@@ -44,18 +53,29 @@ def preflight(cfg: JobConfig) -> PreflightReport:
     if cfg.strategy.kind == "ps":
         check_shards(cfg, model)
     return PreflightReport(
+        cfg=cfg,
+        data_fingerprint=corpus.fingerprint,
         model_class=type(model).__name__,
         params=num_params(model),
         shapes=ckpt.parameter_shapes(model),
     )
 
 
-def check_model_runs(cfg: JobConfig, model: nn.Module, *, task: Task) -> None:
+def check_data(cfg: JobConfig) -> Source:
+    """The job's data, checked and (text) prepared; its corpus as workers will build it."""
+    if cfg.data.kind == "text":
+        from trainstack.data.prepare import ensure_prepared
+
+        ensure_prepared(cfg)
+    from trainstack.data.checks import check_data as check_files
+
+    check_files(cfg)
+    return build_corpus(cfg.data)
+
+
+def check_model_runs(cfg: JobConfig, model: nn.Module, *, task: Task, corpus: Source) -> None:
     """One sample of the job's data through the model and the task's loss."""
-    corpus = build_corpus(cfg.data)
-    x, y = eval_batches(
-        corpus, count=1, seq_len=cfg.model.block_size, micro_batch_size=1, rank=0, world_size=1
-    )[0]
+    x, y = corpus.train_batch(0, 1, seq_len=cfg.model.block_size)
     where = cfg.model.target or cfg.model.kind
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):

@@ -1,0 +1,52 @@
+"""Where a job's files are: `data.train` / `data.val` globs expanded on the driver.
+
+Workers may run in another working directory (or on another node with the same
+shared paths), so the driver turns every pattern into the sorted list of absolute
+file paths it matches before the spec reaches them, and `data.prepared_dir` into an
+absolute directory. A pattern that matches nothing is one `ConfigError` line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+from pathlib import Path
+
+from trainstack.config import ConfigError, JobConfig
+from trainstack.config_checks import FILE_SOURCES
+
+PREPARED = "prepared"
+"""`data.prepared_dir` defaults to this folder of `checkpoint.storage_path`."""
+
+
+def resolve_data(cfg: JobConfig) -> JobConfig:
+    """`cfg` with `data.train`/`data.val` as absolute file paths and `data.prepared_dir`
+    absolute; unchanged for sources that read no files."""
+    d = cfg.data
+    if d.kind not in FILE_SOURCES or (d.kind == "ray" and d.target):
+        return cfg
+    data = dataclasses.replace(
+        d,
+        train=expand("data.train", d.train),
+        val=expand("data.val", d.val),
+        prepared_dir=str(
+            Path(d.prepared_dir or Path(cfg.checkpoint.storage_path) / PREPARED)
+            .expanduser()
+            .resolve()
+        ),
+    )
+    return dataclasses.replace(cfg, data=data)
+
+
+def expand(key: str, patterns: tuple[str, ...]) -> tuple[str, ...]:
+    """Every file the patterns match, absolute, sorted within each pattern, each once."""
+    files: list[str] = []
+    for i, pattern in enumerate(patterns):
+        path = Path(pattern).expanduser()
+        matches = sorted(glob.glob(str(path), recursive=True))
+        matches = [m for m in matches if Path(m).is_file()]
+        if not matches:
+            what = "no such file" if not glob.has_magic(str(path)) else "matches no file"
+            raise ConfigError(f"{key}[{i}]={pattern!r}: {what} (from {Path.cwd()})")
+        files += [str(Path(m).resolve()) for m in matches if str(Path(m).resolve()) not in files]
+    return tuple(files)
