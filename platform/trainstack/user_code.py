@@ -47,6 +47,24 @@ def import_target(path: str, *, key: str) -> Any:
     return value
 
 
+def call_target(path: str, args: dict[str, Any], *, key: str, args_key: str, makes: str) -> Any:
+    """What `path(**args)` returns: the target imported, checked to be callable and
+    called, any failure one ConfigError line (`key`, `args_key`: the spec keys; `makes`:
+    what the target should build, for the message)."""
+    target = import_target(path, key=key)
+    if not callable(target):
+        raise ConfigError(
+            f"{key}={path!r} is a {type(target).__name__}, not callable; allowed: a class "
+            f"or a function returning {makes}"
+        )
+    try:
+        return target(**args)
+    except Exception as e:  # the user's code raised: say so in one line
+        raise ConfigError(
+            f"{key}={path!r} raised {describe_exception(e)} when called with {args_key}={args!r}"
+        ) from None
+
+
 def _search_working_directory() -> None:
     """Find packages in the directory the command runs from, as `python -m` would (a
     console script's sys.path does not have it). Ray's workers search the driver's

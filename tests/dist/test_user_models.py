@@ -22,40 +22,10 @@ from trainstack.config import config_from_dict
 from trainstack.models import build_model
 from trainstack.runtime.local import run_processes
 
+from user_model_specs import MODELS
+
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 10
-
-MODELS: dict[str, dict[str, Any]] = {
-    "cnn": {
-        "model": {"kind": "custom", "target": "user_models.cnn:build", "args": {"width": 8}},
-        "task": {"kind": "classify"},
-        "data": {"kind": "clusters", "num_classes": 10, "shape": [1, 8, 8], "eval_samples": 32},
-    },
-    "transformer": {
-        "model": {
-            "kind": "custom",
-            "target": "user_models.transformer:TinyTransformer",
-            "args": {"vocab_size": 16, "width": 32, "depth": 2, "heads": 2, "block_size": 16},
-            "block_size": 16,
-        },
-        "data": {"vocab_size": 16, "order": 1, "eval_samples": 32},
-    },
-    "llama": {
-        "model": {
-            "kind": "hf",
-            "hf": {
-                "model_type": "llama",
-                "hidden_size": 32,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "intermediate_size": 64,
-            },
-            "block_size": 16,
-        },
-        "data": {"vocab_size": 16, "order": 1, "eval_samples": 32},
-    },
-}
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -23,7 +23,7 @@ from trainstack.config import ConfigError, DataConfig
 from trainstack.data.indexed import EpochOrder, IndexedCorpus
 from trainstack.data.sharding import Batch
 from trainstack.data.tokens import held_out_size
-from trainstack.user_code import describe_exception, import_target
+from trainstack.user_code import call_target, describe_exception
 
 
 class MapDataset(Protocol):
@@ -37,19 +37,10 @@ class MapDataset(Protocol):
 def build_dataset(cfg: DataConfig) -> MapDataset:
     """`data.target(**data.args)`; a target that fails or returns something that is not
     a non-empty map-style dataset is one ConfigError line."""
-    target = import_target(cfg.target, key="data.target")
     where = f"data.target={cfg.target!r}"
-    if not callable(target):
-        raise ConfigError(
-            f"{where} is a {type(target).__name__}, not callable; allowed: a "
-            "function or class returning a map-style torch Dataset"
-        )
-    try:
-        dataset = target(**cfg.args)
-    except Exception as e:  # the user's code raised: say so in one line
-        raise ConfigError(
-            f"{where} with data.args={cfg.args} raised {describe_exception(e)}"
-        ) from None
+    dataset = call_target(
+        cfg.target, cfg.args, key="data.target", args_key="data.args", makes="a map-style Dataset"
+    )
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise ConfigError(
             f"{where} returned a value of type {type(dataset).__name__}, not a map-style Dataset "

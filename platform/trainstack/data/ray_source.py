@@ -40,7 +40,7 @@ import torch
 
 from trainstack.config import ConfigError, DataConfig, JobConfig
 from trainstack.data.sharding import Batch
-from trainstack.user_code import describe_exception, import_target
+from trainstack.user_code import call_target, import_target
 
 if TYPE_CHECKING:
     import ray.data
@@ -253,14 +253,9 @@ def _call_factory(d: DataConfig) -> tuple[ray.data.Dataset, ray.data.Dataset | N
     """`data.target(**data.args)`: a Dataset, or a mapping with `train` and optional `val`."""
     import ray.data
 
-    factory = import_target(d.target, key="data.target")
-    try:
-        made = factory(**d.args)
-    except Exception as e:
-        raise ConfigError(
-            f"data.target={d.target!r} raised {describe_exception(e)} when called with "
-            f"data.args={d.args!r}"
-        ) from None
+    made = call_target(
+        d.target, d.args, key="data.target", args_key="data.args", makes="a ray.data.Dataset"
+    )
     train, val = (made.get("train"), made.get("val")) if isinstance(made, Mapping) else (made, None)
     if not isinstance(train, ray.data.Dataset) or not isinstance(val, ray.data.Dataset | None):
         raise ConfigError(

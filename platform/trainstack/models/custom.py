@@ -10,24 +10,14 @@ from __future__ import annotations
 from torch import nn
 
 from trainstack.config import ConfigError, ModelConfig
-from trainstack.user_code import describe_exception, import_target
+from trainstack.user_code import call_target
 
 
 def build_custom_model(cfg: ModelConfig) -> nn.Module:
     """`cfg.target(**cfg.args)`, checked to be an `nn.Module` with parameters."""
-    target = import_target(cfg.target, key="model.target")
-    if not callable(target):
-        raise ConfigError(
-            f"model.target={cfg.target!r} is a {type(target).__name__}, not callable; "
-            "allowed: an nn.Module class or a function returning an nn.Module"
-        )
-    try:
-        model = target(**cfg.args)
-    except Exception as e:
-        raise ConfigError(
-            f"model.target={cfg.target!r} raised {describe_exception(e)} when called with "
-            f"model.args={cfg.args!r}"
-        ) from None
+    model = call_target(
+        cfg.target, cfg.args, key="model.target", args_key="model.args", makes="an nn.Module"
+    )
     if not isinstance(model, nn.Module):
         raise ConfigError(
             f"model.target={cfg.target!r} returned a {type(model).__name__}; allowed: an "
