@@ -1,6 +1,7 @@
 """`trainstack` command line.
 
 trainstack run jobs/configs/demo.yaml --set train.steps=50 --summary-json out.json
+trainstack prepare jobs/configs/stdlib_gpt.yaml
 trainstack sweep tune/demo_sweep.yaml [--resume]
 trainstack report runs/demo
 """
@@ -178,6 +179,24 @@ def export_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def prepare_command(args: argparse.Namespace) -> int:
+    """Tokenize a `data.kind: text` spec's files into its prepared directory (or reuse it)."""
+    from trainstack.data.paths import resolve_data
+    from trainstack.data.prepare import ensure_prepared
+
+    try:
+        cfg = resolve_data(load_config(args.config, args.overrides))
+        if cfg.data.kind != "text":
+            raise ConfigError(
+                f"data.kind={cfg.data.kind} has nothing to prepare; `trainstack prepare` "
+                "tokenizes data.kind=text"
+            )
+        ensure_prepared(cfg, out=sys.stdout)
+    except ConfigError as err:
+        return _error(str(err), code=2)
+    return 0
+
+
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     from trainstack.checkpoint import write_text_atomically
 
@@ -207,6 +226,19 @@ def build_parser() -> argparse.ArgumentParser:
         "to --out, named <out>_hf)",
     )
     export.set_defaults(handler=export_command)
+    prepare = commands.add_parser(
+        "prepare", help="tokenize a text job's files once into token files (data.kind text)"
+    )
+    prepare.add_argument("config", help="job spec (YAML)")
+    prepare.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a spec key, e.g. --set data.tokenizer=tokenizer.json (repeatable)",
+    )
+    prepare.set_defaults(handler=prepare_command)
     from trainstack.report import add_report_parser
 
     add_report_parser(commands)

@@ -297,6 +297,8 @@ def _final_figures(run: TrackedRun) -> list[tuple[str, str]]:
         ("wall time", _wall_time(run)),
         ("steps", _fmt(run.number("steps"), "{:,.0f}")),
     ]
+    if run.number("eval_bits_per_byte") is not None:
+        rows.insert(2, ("bits per byte", _bits_per_byte(run)))
     if isinstance(run.summary.get("ps"), dict):
         rows += _ps_figures(run)
     return rows
@@ -335,6 +337,13 @@ def _versus_floor(run: TrackedRun) -> str:
         return "—"
     above = (held_out - floor) / floor
     return f"{held_out:.4f} vs {floor:.4f}: {above:+.1%} above the floor"
+
+
+def _bits_per_byte(run: TrackedRun) -> str:
+    """A text job's held-out bits per byte, and gzip -9's and xz -9's on the same bytes."""
+    from trainstack.runtime.progress import bits_per_byte_line
+
+    return bits_per_byte_line(run.summary)
 
 
 def _restart_count(run: TrackedRun) -> str:

@@ -4,6 +4,7 @@ without pyplot. A drawer returns a `Plot` saying what it drew, or why it drew no
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,11 @@ STYLE: dict[Any, Any] = {
 LINE = {"linewidth": 2, "marker": "o", "markersize": 3}
 EVAL_MARKERS = {"linestyle": "none", "marker": "D", "markersize": 8, "color": "tab:orange"}
 FLOOR_LINE = {"color": "black", "linestyle": "--", "linewidth": 1.5}
+REFERENCE_LINE = {"linestyle": ":", "linewidth": 2}
+COMPRESSORS = (
+    ("gzip -9", "gzip_bits_per_byte", "tab:gray"),
+    ("xz -9", "xz_bits_per_byte", "tab:brown"),
+)
 RESTART_COLOR = "tab:red"
 WHITE_BOX = {"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "none"}
 RESTART_TAG = {"ha": "right", "va": "top", "color": RESTART_COLOR, "bbox": WHITE_BOX}
@@ -96,6 +102,7 @@ def draw_loss(run: TrackedRun, out_dir: Path) -> Plot:
     floor = run.number("entropy_floor")
     if floor is not None:
         ax.axhline(floor, label=f"entropy floor ({floor:.4f})", **FLOOR_LINE)
+    compressors = _draw_compressors(ax, run)
     _mark_restarts(ax, run, x="step", legend=True)
     ax.set(title=f"{run.name}: loss", xlabel="step", ylabel="cross-entropy (nats/token)")
     ax.legend(loc="center right")
@@ -105,7 +112,30 @@ def draw_loss(run: TrackedRun, out_dir: Path) -> Plot:
     note += f"; dashed: the data's entropy floor, {floor:.4f} nats." if floor else "."
     if eval_points and floor:
         note += f" The last held-out loss is {eval_points[-1][1] / floor - 1:+.1%} above it."
+    note += compressors
     return _save(fig, out_dir, "loss.png", title="Loss", note=note)
+
+
+def _draw_compressors(ax: Any, run: TrackedRun) -> str:
+    """Dotted lines where gzip -9 and xz -9 are on the held-out bytes (a text job's
+    `*_bits_per_byte`, as nats per token); the sentence saying so, or ""."""
+    tokens, size = run.number("eval_tokens"), run.number("eval_bytes")
+    drawn = []
+    for name, key, color in COMPRESSORS:
+        bits = run.number(key)
+        if bits is None or not tokens or not size:
+            continue
+        label = f"{name} on the held-out bytes ({bits:.3f} bits/byte)"
+        ax.axhline(bits * math.log(2) * size / tokens, label=label, color=color, **REFERENCE_LINE)
+        drawn.append(f"{name} {bits:.3f}")
+    if not drawn:
+        return ""
+    model = run.number("eval_bits_per_byte")
+    ours = f"; the model: {model:.3f}" if model is not None else ""
+    return (
+        f" Dotted: {' and '.join(drawn)} bits per byte on the same held-out bytes{ours} "
+        "(drawn in nats per token)."
+    )
 
 
 def _eval_points(run: TrackedRun, *, last_step: int) -> list[tuple[float, float]]:

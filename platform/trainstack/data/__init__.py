@@ -21,6 +21,7 @@ from trainstack.data.indexed import IndexedCorpus
 from trainstack.data.markov import EVAL_START, MarkovCorpus
 from trainstack.data.ray_source import RaySource
 from trainstack.data.sharding import Batch, Corpus, DataCursor, ShardedBatches, eval_batches
+from trainstack.data.text import TextCorpus
 from trainstack.data.tokens import TokenCorpus
 
 Source = MarkovCorpus | ClustersCorpus | IndexedCorpus | TokenCorpus | RaySource
@@ -37,6 +38,7 @@ DATA_SOURCES: dict[str, SourceKind] = {
     "markov": MarkovCorpus,
     "clusters": ClustersCorpus,
     "tokens": TokenCorpus,
+    "text": TextCorpus,
     "arrays": ArrayCorpus,
     "custom": DatasetCorpus,
     "ray": RaySource,  # pre-flight's view; workers stream through `ray_stream`
@@ -66,6 +68,7 @@ __all__ = [
     "ShardedBatches",
     "Source",
     "SourceKind",
+    "TextCorpus",
     "TokenCorpus",
     "build_corpus",
     "eval_batches",

@@ -7,7 +7,8 @@ header or dtype, shorter than one sample, or holding ids >= `data.vocab_size`; a
 whose lengths, dtypes or labels are wrong; items of the wrong shape; fewer held-out
 samples than `data.eval_samples`. It only reads: nothing in your data's folders is
 written or deleted. Synthetic sources have nothing to check; `text` files are checked
-when `trainstack prepare` reads them.
+when `trainstack prepare` reads them (UTF-8, the tokenizer's vocabulary), and the token
+files it wrote like any others here.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def check_data(cfg: JobConfig) -> None:
     kind = cfg.data.kind
     if kind == "tokens":
         check_tokens(cfg)
+    elif kind == "text":
+        check_text(cfg)
     elif kind == "arrays":
         check_arrays(cfg)
     elif kind == "custom":
@@ -84,6 +87,23 @@ def check_tokens(cfg: JobConfig) -> None:
     held = len(corpus.held_out) if corpus.held_out is not None else 0
     what = f"windows of model.block_size + 1 = {block + 1} tokens"
     check_held_out(cfg, held=held, what=what)
+
+
+def check_text(cfg: JobConfig) -> None:
+    """A prepared `text` job's token files: a training sample, ids below the vocabulary,
+    enough held-out windows."""
+    from trainstack.data.text import TextCorpus
+
+    d, block = cfg.data, cfg.model.block_size
+    corpus = TextCorpus.from_config(d)
+    for key, files in (("data.train", corpus.train), ("data.val", corpus.val)):
+        for tokens in files:
+            check_token_file(
+                tokens, key=f"{key} (prepared)", block_size=block, vocab_size=d.vocab_size
+            )
+    windows = corpus.at(block)
+    held = len(windows.held_out) if windows.held_out is not None else 0
+    check_held_out(cfg, held=held, what=f"windows of model.block_size + 1 = {block + 1} tokens")
 
 
 def check_token_file(tokens: TokenFile, *, key: str, block_size: int, vocab_size: int) -> None:

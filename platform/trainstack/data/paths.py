@@ -3,7 +3,9 @@
 Workers may run in another working directory (or on another node with the same
 shared paths), so the driver turns every pattern into the sorted list of absolute
 file paths it matches before the spec reaches them, and `data.prepared_dir` into an
-absolute directory. A pattern that matches nothing is one `ConfigError` line.
+absolute directory. A pattern may start with `stdlib:`, a path in the running
+interpreter's standard library (`stdlib:*.py`: its sources ship with every Python). A
+pattern that matches nothing is one `ConfigError` line.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 
 from trainstack.config import ConfigError, JobConfig
 from trainstack.config_checks import FILE_SOURCES
+from trainstack.data.text import stdlib_pattern
 
 PREPARED = "prepared"
 """`data.prepared_dir` defaults to this folder of `checkpoint.storage_path`."""
@@ -42,7 +45,7 @@ def expand(key: str, patterns: tuple[str, ...]) -> tuple[str, ...]:
     """Every file the patterns match, absolute, sorted within each pattern, each once."""
     files: list[str] = []
     for i, pattern in enumerate(patterns):
-        path = Path(pattern).expanduser()
+        path = Path(stdlib_pattern(pattern)).expanduser()
         matches = sorted(glob.glob(str(path), recursive=True))
         matches = [m for m in matches if Path(m).is_file()]
         if not matches:

@@ -29,6 +29,7 @@ from ray.exceptions import RayActorError
 from trainstack import checkpoint as ckpt
 from trainstack.config import JobConfig, config_to_dict
 from trainstack.data import build_corpus
+from trainstack.data.bits_per_byte import summary_bits_per_byte
 from trainstack.data.sharding import eval_batches
 from trainstack.models import build_model, num_params
 from trainstack.ps.clock import ActorNames, ClockBoard, bound_for
@@ -297,6 +298,7 @@ def _summary(
         "final_loss": eval_loss if eval_loss is not None else float("nan"),
         "eval_loss": eval_loss,
         **evaluation,
+        **summary_bits_per_byte(cfg, eval_loss),  # text: against gzip -9 and xz -9
         "task": cfg.task.kind,
         "entropy_floor": corpus.loss_floor(cfg.model.block_size),
         "tokens_per_s": samples * cfg.tokens_per_sample / train_s,

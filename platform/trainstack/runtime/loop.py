@@ -20,6 +20,7 @@ import torch.distributed as dist
 from trainstack import checkpoint as ckpt
 from trainstack.config import JobConfig, config_to_dict
 from trainstack.data import Source, build_corpus
+from trainstack.data.bits_per_byte import summary_bits_per_byte
 from trainstack.data.ray_source import RaySource
 from trainstack.data.ray_stream import RayStepBatches
 from trainstack.data.sharding import DataCursor, ShardedBatches, eval_batches
@@ -221,6 +222,7 @@ def train(
         "final_train_loss": train_loss,
         "eval_loss": eval_loss,
         **evaluation,
+        **summary_bits_per_byte(cfg, eval_loss),  # text: against gzip -9 and xz -9
         "task": cfg.task.kind,
         "entropy_floor": corpus.loss_floor(seq_len),
         "steps": cfg.train.steps,

@@ -73,6 +73,16 @@ class ProgressDisplay:
             self._bar_open = False
 
 
+def bits_per_byte_line(summary: dict[str, Any]) -> str:
+    """`2.104 (held-out)  gzip -9 2.362  xz -9 2.254`: a text job's held-out bits per byte
+    and the compressors' on the same bytes, where the summary has them."""
+    text = f"{summary['eval_bits_per_byte']:.3f} (held-out)"
+    for name, key in (("gzip -9", "gzip_bits_per_byte"), ("xz -9", "xz_bits_per_byte")):
+        if summary.get(key) is not None:
+            text += f"  {name} {summary[key]:.3f}"
+    return text
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The run's closing summary as aligned `key: value` lines."""
     floor = summary.get("entropy_floor")
@@ -97,6 +107,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         rows.append(("accuracy", f"{summary['eval_accuracy']:.2%} (held-out)"))
     if summary.get("eval_bits_per_token") is not None:
         rows.append(("bits/token", f"{summary['eval_bits_per_token']:.4f} (held-out)"))
+    if summary.get("eval_bits_per_byte") is not None:
+        rows.append(("bits/byte", bits_per_byte_line(summary)))
     if not classify:  # a classify sample is one "token": samples/s says it
         rows.append(("tokens/s", f"{summary['tokens_per_s']:,.0f}  (steady state)"))
     rows += [

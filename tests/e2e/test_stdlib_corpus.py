@@ -1,0 +1,46 @@
+"""`trainstack run jobs/configs/stdlib_gpt.yaml`, shortened: a GPT trained on the Python
+standard library's own sources ends below gzip -9 in held-out bits per byte on the same
+held-out bytes, and the summary says both."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from user_shell import BIN, ROOT, run
+
+STEPS = 4000
+"""Of the spec's 10000: about 4.1M training bytes, some 75 s of training on 2 idle cores."""
+
+
+@pytest.mark.slow
+def test_stdlib_gpt_beats_gzip_on_held_out_bytes(tmp_path: Path) -> None:
+    summary_path = tmp_path / "summary.json"
+    proc = run(
+        [
+            str(BIN / "trainstack"),
+            "run",
+            "jobs/configs/stdlib_gpt.yaml",
+            "--set",
+            f"train.steps={STEPS}",
+            "--set",
+            f"checkpoint.storage_path={tmp_path / 'runs'}",
+            "--summary-json",
+            str(summary_path),
+            "--progress",
+            "lines",
+        ],
+        timeout=420,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(summary_path.read_text())
+    # Measured (CPython 3.11 stdlib, 2 CPU workers): 2.484 bits per byte after 4000 steps
+    # against gzip -9's 2.548 (and xz -9's 2.461) on the same 16 KiB: the first 256
+    # held-out windows' targets, which the bytes tokenizer makes 256 * 64 bytes.
+    assert summary["eval_bits_per_byte"] < summary["gzip_bits_per_byte"], summary
+    assert summary["eval_bytes"] == summary["eval_tokens"] == 256 * 64
+    line = next(row for row in proc.stdout.splitlines() if "bits/byte" in row)
+    assert "(held-out)  gzip -9 " in line and "  xz -9 " in line
+    prepared = tmp_path / "runs" / "prepared"
+    assert len(list(prepared.glob("*/meta.json"))) == 1 and not list(prepared.glob(".partial-*"))
+    assert (ROOT / "jobs/configs/stdlib_gpt.yaml").exists()
