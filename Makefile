@@ -11,7 +11,7 @@ STAMP := $(VENV)/.trainstack-installed
 # pip's notes about unreadable local index folders are noise here.
 QUIET_PIP := { grep -v '^WARNING: Location' || true; }
 
-.PHONY: venv demo test lint clean
+.PHONY: venv demo demo-stdlib test lint clean
 
 venv: $(STAMP)
 
@@ -27,6 +27,12 @@ demo: $(STAMP)
 	rm -rf .cache/demo_runs/demo
 	$(VENV)/bin/trainstack run jobs/configs/demo.yaml \
 		--set checkpoint.storage_path=.cache/demo_runs --summary-json .cache/demo_summary.json
+
+# A byte-level GPT on the standard library's sources, against gzip -9 and xz -9.
+demo-stdlib: $(STAMP)
+	rm -rf .cache/demo_runs/stdlib-gpt
+	$(VENV)/bin/trainstack run jobs/configs/stdlib_gpt.yaml \
+		--set checkpoint.storage_path=.cache/demo_runs --summary-json .cache/stdlib_summary.json
 
 # ruff skips folders named dist unless they are named: tests/dist is.
 LINTED := platform jobs tune tests tests/dist benchmarks examples

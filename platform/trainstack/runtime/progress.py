@@ -47,6 +47,8 @@ class ProgressDisplay:
             f"tok/s {_si(record['tokens_per_s'])}  MFU {_mfu(record['mfu'])}  "
             f"ETA {_clock(eta)}"
         )
+        if record.get("eval_loss") is not None:  # log.eval_every_steps
+            text += f"  held-out {record['eval_loss']:.4f}"
         if record.get("restarts"):
             text += f"  restarts {record['restarts']}"
         if self.mode == "bar":
