@@ -161,16 +161,17 @@ def test_interrupted_prepare_resumes_where_it_stopped(
 ) -> None:
     cfg = job(corpus_dir, tmp_path)
     root = Path(cfg.data.prepared_dir)
-    real = prepare_module._tokenize_file
+    real = prepare_module._read_input
     tokenized: list[str] = []
 
-    def dies_on_c(task: tuple[Any, ...]) -> int:
-        if task[0].path.endswith("c.py"):
+    def dies_on_c(item: Any) -> bytes:
+        if item.path.endswith("c.py"):
             raise KeyboardInterrupt
-        tokenized.append(Path(task[0].path).name)
-        return real(task)
+        tokenized.append(Path(item.path).name)
+        return real(item)
 
-    monkeypatch.setattr(prepare_module, "_tokenize_file", dies_on_c)
+    monkeypatch.setattr(prepare_module, "BATCH_BYTES", 1)  # a batch per file
+    monkeypatch.setattr(prepare_module, "_read_input", dies_on_c)
     with pytest.raises(KeyboardInterrupt):
         prepare(cfg.data)
     assert tokenized == ["a.py", "b.txt"]
@@ -180,8 +181,8 @@ def test_interrupted_prepare_resumes_where_it_stopped(
     tokenized.clear()
     monkeypatch.setattr(
         prepare_module,
-        "_tokenize_file",
-        lambda t: tokenized.append(Path(t[0].path).name) or real(t),
+        "_read_input",
+        lambda item: tokenized.append(Path(item.path).name) or real(item),
     )
     done = prepare(cfg.data)
     assert tokenized == ["c.py", "d.md"]  # a.py and b.txt were kept from the first run
@@ -196,17 +197,18 @@ def test_a_changed_file_is_tokenized_again_on_resume(
     corpus_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cfg = job(corpus_dir, tmp_path)
-    real = prepare_module._tokenize_file
+    real = prepare_module._read_input
 
-    def dies_on_c(task: tuple[Any, ...]) -> int:
-        if task[0].path.endswith("c.py"):
+    def dies_on_c(item: Any) -> bytes:
+        if item.path.endswith("c.py"):
             raise KeyboardInterrupt
-        return real(task)
+        return real(item)
 
-    monkeypatch.setattr(prepare_module, "_tokenize_file", dies_on_c)
+    monkeypatch.setattr(prepare_module, "BATCH_BYTES", 1)
+    monkeypatch.setattr(prepare_module, "_read_input", dies_on_c)
     with pytest.raises(KeyboardInterrupt):
         prepare(cfg.data)
-    monkeypatch.setattr(prepare_module, "_tokenize_file", real)
+    monkeypatch.setattr(prepare_module, "_read_input", real)
     (corpus_dir / "a.py").write_text("x = 1\n" * 50)
     done = prepare(cfg.data)
     assert done.resumed == 0  # a new fingerprint: the old partial work is not used
@@ -234,18 +236,18 @@ def test_prepare_never_writes_into_the_input_directory(corpus_dir: Path, tmp_pat
     assert snapshot(corpus_dir) == before
 
 
-def test_bpe_tokens_match_the_tokenizer_and_parallel_matches_serial(
-    corpus_dir: Path, tmp_path: Path, bpe_file: Path
+def test_bpe_tokens_match_the_tokenizer_and_batches_change_nothing(
+    corpus_dir: Path, tmp_path: Path, bpe_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(bpe_file))
     vocab = tokenizer.get_vocab_size()
     cfg = job(corpus_dir, tmp_path / "serial", tokenizer=str(bpe_file), vocab_size=vocab)
-    serial = prepare(cfg.data, processes=1)
+    serial = prepare(cfg.data)  # one batch of every file
+    monkeypatch.setattr(prepare_module, "BATCH_BYTES", 1)  # a batch per file
     parallel = prepare(
-        job(corpus_dir, tmp_path / "par", tokenizer=str(bpe_file), vocab_size=vocab).data,
-        processes=2,
+        job(corpus_dir, tmp_path / "par", tokenizer=str(bpe_file), vocab_size=vocab).data
     )
     files = split_files(cfg.data)
     want = np.concatenate([tokenizer.encode(Path(f).read_text()).ids for f in files.train])

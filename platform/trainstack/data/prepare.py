@@ -15,8 +15,9 @@ atomically and named by the file's position and content hash; the splits are the
 assembled from the chunks, and the directory renamed into place last: a directory with
 the final name is complete. A run that was interrupted (Ctrl-C, a crash, a lost node)
 leaves its chunks, and the next run tokenizes only the files that have none. Files are
-tokenized in parallel, one process per CPU for a `tokenizers` file and at least 4 MiB
-of text (the bytes tokenizer is a copy, done in this process), in file order. Nothing
+tokenized in file order, in batches of about `BATCH_BYTES` of text that a `tokenizers`
+file encodes on every CPU (its own threads, `RAYON_NUM_THREADS` to limit them; the bytes
+tokenizer is a copy). Nothing
 is written outside `data.prepared_dir`, and a `data.prepared_dir` holding input files
 is refused. `data.prepared_dir/inputs/` holds a pointer per input listing, through
 which workers find the directory without reading the inputs (`text.prepared_path`).
@@ -29,7 +30,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import multiprocessing
 import os
 import shutil
 import sys
@@ -65,8 +65,9 @@ from trainstack.data.tokens import (
     write_token_file,
 )
 
-PARALLEL_MIN_BYTES = 4 * 2**20
-"""A `tokenizers` job starts worker processes only for at least this much text."""
+BATCH_BYTES = 16 * 2**20
+"""Text per `encode_batch` call: enough for every CPU, small enough that an interrupted
+prepare loses little; each batch's files are kept as they finish."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,9 +119,7 @@ def ensure_prepared(cfg: JobConfig, *, out: TextIO | None = None) -> Path:
     return prepared.path
 
 
-def prepare(
-    cfg: DataConfig, *, processes: int | None = None, progress: TextIO | None = None
-) -> Prepared:
+def prepare(cfg: DataConfig, *, progress: TextIO | None = None) -> Prepared:
     """Tokenize the files of a resolved data section into its prepared directory, or
     reuse the complete one already there; ConfigError for bad input."""
     started = time.perf_counter()
@@ -147,7 +146,7 @@ def prepare(
                 _check_complete(final)
             else:
                 build = _Build(final=final, inputs=hashed, tokenizer=tokenizer)
-                resumed = build.run(fingerprint, processes, bar.phase("tokenizing"))
+                resumed = build.run(fingerprint, bar.phase("tokenizing"))
     finally:
         bar.close()
     _write_atomically(
@@ -215,14 +214,14 @@ class _Build:
         an interrupted run is used only for the very same file."""
         return self.partial / "chunks" / f"{index:06d}-{self.inputs[index].sha256[:16]}.bin"
 
-    def run(self, fingerprint: str, processes: int | None, bar: ProgressBar) -> int:
+    def run(self, fingerprint: str, bar: ProgressBar) -> int:
         """Build the directory; return how many inputs an earlier run had tokenized."""
         (self.partial / "chunks").mkdir(parents=True, exist_ok=True)
         done = [i for i in range(len(self.inputs)) if self.chunk(i).is_file()]
         for i in done:
             bar.advance(self.inputs[i].size)
         todo = [i for i in range(len(self.inputs)) if i not in set(done)]
-        for i in _tokenize_all(self, todo, processes):
+        for i in _tokenize_all(self, todo):
             bar.advance(self.inputs[i].size)
         splits = self.assemble()
         meta = {
@@ -277,30 +276,41 @@ def _version(tokenizer: TextTokenizer) -> int:
     return 1 if tokenizer.vocab_size <= 2**16 else 2
 
 
-def _tokenize_all(build: _Build, todo: list[int], processes: int | None) -> Iterator[int]:
-    """Tokenize the inputs numbered `todo` into their chunks; yield each as it is done."""
-    tasks = [(build.inputs[i], build.tokenizer.spec, str(build.chunk(i)), i) for i in todo]
-    if processes is None:
-        big = sum(task[0].size for task in tasks) >= PARALLEL_MIN_BYTES
-        processes = 1 if build.tokenizer.is_bytes or not big else min(_cpus(), len(tasks))
-    if processes <= 1:
-        yield from map(_tokenize_file, tasks)
+def _tokenize_all(build: _Build, todo: list[int]) -> Iterator[int]:
+    """Tokenize the inputs numbered `todo` into their chunks, `BATCH_BYTES` of text at a
+    time; yield each number once its chunk is written."""
+    batch: list[int] = []
+    size = 0
+    for i in todo:
+        batch.append(i)
+        size += build.inputs[i].size
+        if size >= BATCH_BYTES:
+            yield from _tokenize_batch(build, batch)
+            batch, size = [], 0
+    yield from _tokenize_batch(build, batch)
+
+
+def _tokenize_batch(build: _Build, batch: list[int]) -> Iterator[int]:
+    if not batch:
         return
-    with multiprocessing.get_context("spawn").Pool(processes) as pool:
-        yield from pool.imap(_tokenize_file, tasks)
+    items = [build.inputs[i] for i in batch]
+    encoded = build.tokenizer.encode_batch(
+        [_read_input(item) for item in items], files=[item.path for item in items]
+    )
+    for i, tokens in zip(batch, encoded, strict=True):
+        write_token_file(build.chunk(i), tokens)
+        yield i
 
 
-def _tokenize_file(task: tuple[InputFile, str, str, int]) -> int:
-    """Tokenize one input into its chunk (atomically); its index."""
-    item, spec, chunk, index = task
+def _read_input(item: InputFile) -> bytes:
+    """An input's bytes, as hashed: a file that changed since is one ConfigError."""
     try:
         data = Path(item.path).read_bytes()
     except OSError as e:
         raise ConfigError(f"data.{item.split}: cannot read {item.path}: {e.strerror}") from None
     if hashlib.sha256(data).hexdigest() != item.sha256:
         raise ConfigError(f"data.{item.split}: {item.path} changed while preparing")
-    write_token_file(chunk, TextTokenizer(spec=spec).encode(data, file=item.path))
-    return index
+    return data
 
 
 def _finish(out: BinaryIO, *, version: int, count: int, split: str) -> None:

@@ -100,10 +100,16 @@ class TextTokenizer:
 
     def encode(self, data: bytes, *, file: str) -> np.ndarray:
         """The tokens of one file's bytes (int64)."""
+        return self.encode_batch([data], files=[file])[0]
+
+    def encode_batch(self, texts: list[bytes], *, files: list[str]) -> list[np.ndarray]:
+        """The tokens of each file's bytes (int64); a `tokenizers` file encodes them on
+        all CPUs (its own threads)."""
         if self.is_bytes:
-            return np.frombuffer(data, dtype=np.uint8).astype(np.int64)
-        encoding = _hf_tokenizer(self.spec).encode(self._text(data, file=file))
-        return np.asarray(encoding.ids, dtype=np.int64)
+            return [np.frombuffer(data, dtype=np.uint8).astype(np.int64) for data in texts]
+        decoded = [self._text(data, file=file) for data, file in zip(texts, files, strict=True)]
+        encodings = _hf_tokenizer(self.spec).encode_batch(decoded)
+        return [np.asarray(encoding.ids, dtype=np.int64) for encoding in encodings]
 
     def encode_with_ends(self, data: bytes, *, file: str) -> tuple[np.ndarray, np.ndarray]:
         """The tokens of `data` and where each ends in it, in bytes (int64, never going
