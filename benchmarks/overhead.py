@@ -30,8 +30,8 @@ from trainstack.config import JobConfig, config_from_dict, config_to_dict, load_
 from trainstack.data import build_corpus
 from trainstack.data.sharding import DataCursor, ShardedBatches
 from trainstack.models import build_model
+from trainstack.optim import build_optimizer, build_scheduler
 from trainstack.runtime.local import free_port
-from trainstack.runtime.optim import build_optimizer, build_scheduler
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

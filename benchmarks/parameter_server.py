@@ -59,8 +59,8 @@ from trainstack.config import config_from_dict
 from trainstack.data import build_corpus
 from trainstack.data.sharding import ShardedBatches
 from trainstack.models import build_model
+from trainstack.optim import build_optimizer, lr_multiplier, scaled_lr
 from trainstack.ps.driver import _held_out_loss, run_parameter_server
-from trainstack.runtime.optim import build_optimizer, lr_multiplier, scaled_lr
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

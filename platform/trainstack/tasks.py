@@ -28,9 +28,7 @@ import torch
 from torch import nn
 
 from trainstack.config import ConfigError, JobConfig
-
-Batch = tuple[torch.Tensor, torch.Tensor]
-"""One micro-batch: (inputs, targets)."""
+from trainstack.data.sharding import Batch
 
 UserLoss = Callable[[Any, tuple[torch.Tensor | None, torch.Tensor]], torch.Tensor]
 

@@ -27,8 +27,8 @@ from torch import nn
 
 from trainstack.config import ModelConfig, config_from_dict
 from trainstack.models import build_model
+from trainstack.optim import build_optimizer, build_scheduler
 from trainstack.runtime.local import free_port
-from trainstack.runtime.optim import build_optimizer, build_scheduler
 from trainstack.strategies import WorkerContext, build_strategy
 from trainstack.tasks import EvalSums, build_task, evaluate
 

@@ -1,16 +1,18 @@
-"""The loop's parts that need no processes: LR schedule, metrics, progress, kill plans."""
+"""The loop's parts that need no processes: LR schedule, metrics, progress, kill plans and
+their once-per-run markers."""
 
 import io
 import itertools
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from trainstack.config import config_from_dict
 from trainstack.metrics import PEAK_FLOPS, ThroughputMeter, device_peak_flops, mfu
-from trainstack.runtime.faults import kill_plan
-from trainstack.runtime.optim import build_optimizer, lr_multiplier, scaled_lr
+from trainstack.optim import build_optimizer, lr_multiplier, scaled_lr
+from trainstack.runtime.faults import first_firing, kill_plan
 from trainstack.runtime.progress import ProgressDisplay, format_summary
 
 
@@ -76,6 +78,9 @@ def test_progress_modes() -> None:
     lines = io.StringIO()
     ProgressDisplay(mode="lines", stream=lines).update(record(10))
     assert lines.getvalue() == "step 10/100  loss 2.5000  tok/s 12.3k  MFU -  ETA 0:01:30\n"
+    with_eval = io.StringIO()  # log.eval_every_steps: the held-out loss on its steps
+    ProgressDisplay(mode="lines", stream=with_eval).update(record(20, eval_loss=2.75))
+    assert with_eval.getvalue().endswith("ETA 0:00:40  held-out 2.7500\n")
 
     bar = io.StringIO()
     display = ProgressDisplay(mode="bar", stream=bar)
@@ -131,3 +136,11 @@ def test_kill_plan_is_seeded_in_range_and_honours_explicit_steps() -> None:
     assert all(0 <= rank < 4 for rank in plan.values())
     raw["faults"]["seed"] = 12
     assert kill_plan(config_from_dict(raw)) != plan
+
+
+def test_a_planned_kill_fires_once_per_run_however_often_it_is_replayed(tmp_path: Path) -> None:
+    marker = tmp_path / "faults" / "killed_before_step_3"  # its folder made on first use
+    assert first_firing(marker)
+    assert not first_firing(marker)  # the replay after the restart
+    assert not first_firing(marker)
+    assert first_firing(tmp_path / "faults" / "killed_before_step_4")

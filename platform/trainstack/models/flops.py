@@ -20,7 +20,8 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
 )
 
-from trainstack.tasks import Batch, Task
+from trainstack.data.sharding import Batch
+from trainstack.tasks import Task
 
 
 def _cpu_attention(q: Any, k: Any, v: Any, *args: Any, out_shape: Any = None, **kw: Any) -> int:

@@ -29,9 +29,10 @@ from trainstack.checkpoint import file_sha256, save_atomically, write_text_atomi
 from trainstack.compression import ErrorFeedback, Payload, build_compressor
 from trainstack.config import config_from_dict
 from trainstack.models import build_model
+from trainstack.optim import build_optimizer, lr_multiplier, scaled_lr
 from trainstack.ps.clock import ActorNames
 from trainstack.ps.partition import ShardLayout
-from trainstack.runtime.optim import build_optimizer, lr_multiplier, scaled_lr
+from trainstack.runtime.faults import first_firing
 from trainstack.telemetry import ShardTelemetry
 
 Push = np.ndarray | list[tuple[tuple[int, ...], list[np.ndarray]]]
@@ -196,12 +197,8 @@ class ParameterServerShard:
         upcoming = self.version + 1
         if self.index != f.shard or upcoming not in f.kill_shard_at_updates:
             return
-        marker = self.dir / f"killed_before_update_{upcoming}"
-        try:
-            os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
-        except FileExistsError:
-            return
-        os._exit(17)
+        if first_firing(self.dir / f"killed_before_update_{upcoming}"):
+            os._exit(17)
 
     def report(self) -> dict[str, Any]:
         return {

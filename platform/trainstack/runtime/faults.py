@@ -1,8 +1,9 @@
 """Test-only fault injection: a worker process dies on purpose just before a chosen step.
 
 Driven by the spec's `faults` section (off by default). Each planned kill fires once
-per run: a marker file in the run directory records it, so the steps replayed after
-the restart do not kill again.
+per run: a marker file in the run directory records it (`first_firing`, which the
+parameter server's shards use for their planned kills too), so the steps replayed
+after the restart do not kill again.
 """
 
 from __future__ import annotations
@@ -31,6 +32,17 @@ def kill_plan(cfg: JobConfig) -> dict[int, int]:
     return plan
 
 
+def first_firing(marker: Path) -> bool:
+    """Create `marker`, a planned kill's record; False if it exists already (an earlier
+    attempt of this run fired that kill, and this is the replay)."""
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return False
+    return True
+
+
 class FaultInjector:
     def __init__(
         self,
@@ -49,11 +61,7 @@ class FaultInjector:
         """Die now if this rank is planned to die before `step` and has not yet."""
         if step not in self.plan:
             return
-        self.marker_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(self.marker_dir / f"killed_before_step_{step}", os.O_CREAT | os.O_EXCL)
-        except FileExistsError:
+        if not first_firing(self.marker_dir / f"killed_before_step_{step}"):
             return  # fired in an earlier attempt; this is the replay
-        os.close(fd)
         self.on_fire({"event": "fault", "step": step, "rank": self.rank, "time": time.time()})
         os._exit(17)

@@ -7,6 +7,8 @@ strategy, step, log on log steps, evaluate on held-out data, summarise.
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -41,6 +43,31 @@ class CheckpointStore(Protocol):
 
     def commit(self, staging: Path, *, name: str, metrics: dict[str, Any]) -> None:
         """Make this rank's files in `staging` part of checkpoint `name`. A collective."""
+
+
+class DirectoryCheckpointStore:
+    """Ranks copy their staged files into `.partial-<name>`; rank 0 renames it into place.
+
+    The store of `runtime/local.py`'s processes, and of the parameter server's driver for
+    its final checkpoint (one rank, not distributed)."""
+
+    def __init__(self, run_dir: Path, *, rank: int, distributed: bool) -> None:
+        self.run_dir = run_dir
+        self.rank = rank
+        self.distributed = distributed
+
+    def commit(self, staging: Path, *, name: str, metrics: dict[str, Any]) -> None:
+        partial = self.run_dir / f".partial-{name}"
+        shutil.copytree(staging, partial, dirs_exist_ok=True)
+        if self.distributed:
+            dist.barrier()
+        if self.rank == 0:
+            final = self.run_dir / name
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(partial, final)
+        if self.distributed:
+            dist.barrier()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from trainstack.config import JobConfig
-from trainstack.strategies.base import Batch, StepOutput, Strategy, WorkerContext
+from trainstack.strategies.base import StepOutput, Strategy, WorkerContext
 from trainstack.strategies.ddp import DDPStrategy
 from trainstack.strategies.pipeline import PipelineStrategy
 from trainstack.strategies.zero import ZeROStrategy
@@ -30,4 +30,4 @@ def build_strategy(cfg: JobConfig, ctx: WorkerContext) -> Strategy:
     return STRATEGIES[cfg.strategy.kind](cfg, ctx)
 
 
-__all__ = ["STRATEGIES", "Batch", "StepOutput", "Strategy", "WorkerContext", "build_strategy"]
+__all__ = ["STRATEGIES", "StepOutput", "Strategy", "WorkerContext", "build_strategy"]

@@ -1,8 +1,9 @@
 """The Strategy interface: what the training loop may ask of a parallelism strategy.
 
 A strategy turns (model, optimizer spec, worker context) into something that takes
-a training step and saves/loads its state. The loop never calls DDP, DeepSpeed or
-pipeline APIs itself: only the strategy does.
+training steps, evaluates and reduces over its group, measures the bytes it sends and
+holds, and saves and loads its state. The loop never calls DDP, DeepSpeed or pipeline
+APIs itself: only the strategy does.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch
 from torch import nn
 
 from trainstack.checkpoint import Checkpoint
-from trainstack.tasks import Batch, EvalSums
+from trainstack.data.sharding import Batch
+from trainstack.tasks import EvalSums
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,7 +52,7 @@ class StepOutput:
 
 
 class Strategy(Protocol):
-    """One parallelism technique: set up, step, evaluate, reduce, save and load."""
+    """One parallelism technique: set up, step, evaluate, reduce, measure, save and load."""
 
     name: str
 

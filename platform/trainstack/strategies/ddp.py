@@ -19,9 +19,9 @@ from torch.nn.parallel import DistributedDataParallel
 from trainstack.checkpoint import Checkpoint, rank_file
 from trainstack.compression import CompressionState, register_compression
 from trainstack.config import JobConfig
-from trainstack.runtime.optim import build_optimizer, build_scheduler, scaled_lr
+from trainstack.data.sharding import Batch
+from trainstack.optim import build_optimizer, build_scheduler, scaled_lr
 from trainstack.strategies.base import (
-    Batch,
     StepOutput,
     WorkerContext,
     fast_forward_schedule,

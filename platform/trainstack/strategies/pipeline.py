@@ -41,9 +41,9 @@ from torch.distributed.pipelining import schedules
 
 from trainstack.checkpoint import Checkpoint, rank_file, stage_file
 from trainstack.config import JobConfig, config_from_dict
-from trainstack.runtime.optim import build_optimizer, build_scheduler, scaled_lr
+from trainstack.data.sharding import Batch
+from trainstack.optim import build_optimizer, build_scheduler, scaled_lr
 from trainstack.strategies.base import (
-    Batch,
     StepOutput,
     WorkerContext,
     fast_forward_schedule,

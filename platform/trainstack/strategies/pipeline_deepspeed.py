@@ -18,9 +18,10 @@ the model's layers (`build_model`), not from DeepSpeed.
 One `train_batch` runs DeepSpeed's own 1F1B-style schedule over the replica's
 `strategy.microbatches` micro-batches (the task's loss, scaled by 1/m, on the last
 stage), sums the tied gradients, averages every gradient over the replicas, clips by
-the global norm and steps trainstack's optimizer and LR schedule (runtime/optim.py),
-handed to `deepspeed.initialize` as under ZeRO. Pipelines train in fp32 (the spec
-refuses bf16 for them), so DeepSpeed wraps the optimizer only for ZeRO-1.
+the global norm and steps trainstack's optimizer and LR schedule (trainstack/optim.py),
+handed to `deepspeed.initialize` as under ZeRO (the set-up both share is in
+`deepspeed_engine.py`). Pipelines train in fp32 (the spec refuses bf16 for them), so
+DeepSpeed wraps the optimizer only for ZeRO-1.
 
 Clipping needs one flag. Without ZeRO, DeepSpeed clips with `runtime.utils.clip_grad_norm_`,
 which sums squares over the pipeline (its "model parallel" group) but on stages > 0
@@ -37,15 +38,12 @@ from __future__ import annotations
 import contextlib
 import io
 import math
-import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import deepspeed
 import torch
 import torch.distributed as dist
-from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.module import PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
@@ -55,15 +53,23 @@ from torch import nn
 
 from trainstack.checkpoint import Checkpoint, rank_file, stage_file
 from trainstack.config import JobConfig, config_from_dict
-from trainstack.runtime.optim import build_optimizer, build_scheduler, scaled_lr
+from trainstack.data.sharding import Batch
+from trainstack.optim import build_optimizer, scaled_lr
 from trainstack.strategies.base import (
-    Batch,
     StepOutput,
     WorkerContext,
     fast_forward_schedule,
     ring_allreduce_bytes,
     storage_bytes,
     tensors_in,
+)
+from trainstack.strategies.deepspeed_engine import (
+    UNSAVED_OPTIMIZER_KEYS,
+    build_engine,
+    config_from_spec,
+    init_deepspeed_comm,
+    master_partitions,
+    weights_only_value,
 )
 from trainstack.strategies.pipeline_probe import (
     BoundaryMeter,
@@ -85,12 +91,6 @@ from trainstack.strategies.pipeline_split import (
     split_stages,
     tied_parameters,
 )
-from trainstack.strategies.zero import (
-    UNSAVED_OPTIMIZER_KEYS,
-    deep_merge,
-    master_partitions,
-    weights_only_value,
-)
 from trainstack.tasks import EvalSums, build_task, eval_mode, evaluate
 
 _END_OF_BATCH = (ds_schedule.ReduceTiedGrads, ds_schedule.ReduceGrads, ds_schedule.OptimizerStep)
@@ -100,14 +100,7 @@ _END_OF_BATCH = (ds_schedule.ReduceTiedGrads, ds_schedule.ReduceGrads, ds_schedu
 def pipeline_deepspeed_config(cfg: JobConfig) -> dict[str, Any]:
     """DeepSpeed's config for a pipeline job: derived from the spec (ZeRO stage 0 unless
     `deepspeed.zero_optimization` says 1), then `cfg.deepspeed` deep-merged."""
-    derived = {
-        "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
-        "gradient_accumulation_steps": cfg.grad_accum_steps,
-        "gradient_clipping": cfg.optim.grad_clip,
-        "zero_optimization": {"stage": 0},
-        "log_level": "warning",  # trainstack reports progress itself
-    }
-    return deep_merge(derived, cfg.deepspeed)
+    return config_from_spec(cfg, {"zero_optimization": {"stage": 0}})
 
 
 # ---- the split as DeepSpeed layers ----------------------------------------------------
@@ -250,7 +243,7 @@ class DeepSpeedPipelineStrategy:
 
     def setup(self, model: nn.Module) -> None:
         check_pipeline_model(self.cfg, model)
-        self._init_deepspeed_comm()
+        init_deepspeed_comm(self.ctx)  # PipelineModule needs it before deepspeed.initialize
         layers = model_layers(model)
         self.split = split_stages(layers, self.pp_size)
         self.ties = tied_parameters(model, layers, self.split)
@@ -274,29 +267,11 @@ class DeepSpeedPipelineStrategy:
         _flag_for_clipping(module)
         lr = scaled_lr(self.cfg.optim, data_parallel_size=self.dp_size)
         optimizer = build_optimizer(module, self.cfg.optim, lr=lr)
-        self.scheduler = build_scheduler(
-            optimizer, self.cfg.optim, total_steps=self.cfg.train.steps
-        )
-        self.engine, *_ = deepspeed.initialize(
-            model=module,
-            optimizer=optimizer,
-            lr_scheduler=self.scheduler,
-            config=pipeline_deepspeed_config(self.cfg),
-            dist_init_required=False,
+        self.engine, self.scheduler = build_engine(
+            module, optimizer, cfg=self.cfg, config=pipeline_deepspeed_config(self.cfg)
         )
         self._keep_clip_norm()
         self.probe = InstructionProbe(self.engine, held_grad_bytes=self._held_grad_bytes)
-
-    def _init_deepspeed_comm(self) -> None:
-        """deepspeed.comm over the process group trainstack made (PipelineModule needs it
-        before `deepspeed.initialize`)."""
-        if self.ctx.device.type == "cpu":
-            # As in zero.py: no JIT-compiled shared-memory all-reduce; gloo it is.
-            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        index = self.ctx.device.index
-        os.environ["LOCAL_RANK"] = str(self.ctx.local_rank if index is None else index)
-        backend = get_accelerator().communication_backend_name()
-        deepspeed.comm.init_distributed(dist_backend=backend, dist_init_required=False)
 
     def _keep_clip_norm(self) -> None:
         """Keep the norm `engine.clip_fp32_gradients` (no ZeRO, fp32) computes and drops."""

@@ -3,19 +3,18 @@ over the data-parallel ranks, optionally offloaded to host memory.
 
 The job spec is the one source of truth: `deepspeed_config` derives DeepSpeed's
 config from it and merges the spec's raw `deepspeed:` section last. trainstack builds
-the optimizer and LR schedule (runtime/optim.py) and hands both to DeepSpeed, which
+the optimizer and LR schedule (trainstack/optim.py) and hands both to DeepSpeed, which
 then runs accumulation (loss scaled by 1/A, one optimizer step per A micro-batches),
 clipping, the optimizer step and the schedule step, so a step means what it means
-under DDPStrategy.
+under DDPStrategy. The set-up it shares with the DeepSpeed pipeline is in
+`deepspeed_engine.py`.
 
-DeepSpeed is imported inside `setup`: importing it is slow and prints a notice.
+DeepSpeed is imported inside the methods that use it: importing it is slow and prints
+a notice.
 """
 
 from __future__ import annotations
 
-import enum
-import os
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -24,21 +23,24 @@ from torch import nn
 
 from trainstack.checkpoint import Checkpoint, rank_file
 from trainstack.config import JobConfig
-from trainstack.runtime.optim import build_optimizer, build_scheduler, scaled_lr
+from trainstack.data.sharding import Batch
+from trainstack.optim import build_optimizer, scaled_lr
 from trainstack.strategies.base import (
-    Batch,
     StepOutput,
     WorkerContext,
     fast_forward_schedule,
     storage_bytes,
     tensors_in,
 )
+from trainstack.strategies.deepspeed_engine import (
+    UNSAVED_OPTIMIZER_KEYS,
+    build_engine,
+    config_from_spec,
+    init_deepspeed_comm,
+    master_partitions,
+    weights_only_value,
+)
 from trainstack.tasks import EvalSums, build_task, eval_mode, evaluate
-
-# DeepSpeed optimizer-state keys holding objects `torch.load(weights_only=True)` refuses:
-# the loss scaler (a static scale of 1 under fp32 and bf16, so the live one is put back
-# on load) and the parameter-slice map that only universal checkpoints read.
-UNSAVED_OPTIMIZER_KEYS = ("loss_scaler", "param_slice_mappings")
 
 
 def deepspeed_config(cfg: JobConfig) -> dict[str, Any]:
@@ -53,15 +55,8 @@ def deepspeed_config(cfg: JobConfig) -> dict[str, Any]:
         zero["offload_optimizer"] = {"device": s.offload_optimizer}
     if s.offload_param != "none":
         zero["offload_param"] = {"device": s.offload_param}
-    derived = {
-        "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
-        "gradient_accumulation_steps": cfg.grad_accum_steps,
-        "gradient_clipping": cfg.optim.grad_clip,
-        "bf16": {"enabled": cfg.train.precision == "bf16"},
-        "zero_optimization": zero,
-        "log_level": "warning",  # trainstack reports progress itself
-    }
-    return deep_merge(derived, cfg.deepspeed)
+    bf16 = {"enabled": cfg.train.precision == "bf16"}
+    return config_from_spec(cfg, {"bf16": bf16, "zero_optimization": zero})
 
 
 def zero_model_state_formula(psi: int, n: int, stage: int, precision: str) -> int:
@@ -109,29 +104,12 @@ class ZeROStrategy:
         self.task = build_task(cfg)
 
     def setup(self, model: nn.Module) -> None:
-        import deepspeed
-
-        if self.ctx.device.type == "cpu":
-            # DeepSpeed's torch backend JIT-compiles its shared-memory all-reduce (about a
-            # minute) whenever it wraps a process group on CPU, though only inference
-            # uses it; marking it unavailable keeps training on the gloo group we made.
-            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        _ensure_process_group(self.ctx.device)
-        # DeepSpeed takes its device from LOCAL_RANK and refuses to start without it.
-        index = self.ctx.device.index
-        os.environ["LOCAL_RANK"] = str(self.ctx.local_rank if index is None else index)
+        init_deepspeed_comm(self.ctx)
         model.to(self.ctx.device)
         lr = scaled_lr(self.cfg.optim, data_parallel_size=self.ctx.world_size)
         optimizer = self._build_optimizer(model, lr=lr)
-        self.scheduler = build_scheduler(
-            optimizer, self.cfg.optim, total_steps=self.cfg.train.steps
-        )
-        self.engine, *_ = deepspeed.initialize(
-            model=model,
-            optimizer=optimizer,
-            lr_scheduler=self.scheduler,
-            config=deepspeed_config(self.cfg),
-            dist_init_required=False,
+        self.engine, self.scheduler = build_engine(
+            model, optimizer, cfg=self.cfg, config=deepspeed_config(self.cfg)
         )
 
     def _build_optimizer(self, model: nn.Module, *, lr: float) -> torch.optim.Optimizer:
@@ -358,46 +336,5 @@ class ZeROStrategy:
                 safe_set_full_fp32_param(p, weights[name].to(self.ctx.device))
 
 
-def _ensure_process_group(device: torch.device) -> None:
-    """DeepSpeed needs torch.distributed even for one worker: give it a one-rank group."""
-    if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-
-
 def _is_zero3(p: nn.Parameter) -> bool:
     return hasattr(p, "ds_tensor")
-
-
-def master_partitions(zero_optimizer: Any) -> list[torch.Tensor]:
-    """The fp32 partitions the optimizer updates (stage 1/2 and stage 3 name them apart)."""
-    found = getattr(zero_optimizer, "single_partition_of_fp32_groups", None)
-    if found is None:
-        found = zero_optimizer.fp32_partitioned_groups_flat
-    return list(found)
-
-
-def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in override.items():
-        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
-            merged[key] = deep_merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
-def weights_only_value(value: Any) -> Any:
-    """`value` in types `torch.load(weights_only=True)` accepts: enums become their
-    values, other mappings dicts, named tuples lists; anything else is refused."""
-    if isinstance(value, enum.Enum):
-        return weights_only_value(value.value)
-    if isinstance(value, torch.Tensor | str | int | float | bool | None):
-        return value
-    if isinstance(value, Mapping):
-        return {key: weights_only_value(item) for key, item in value.items()}
-    if type(value) is tuple:
-        return tuple(weights_only_value(item) for item in value)
-    if isinstance(value, list | tuple):
-        return [weights_only_value(item) for item in value]
-    raise TypeError(f"cannot checkpoint a {type(value).__name__} with weights_only=True")
