@@ -172,10 +172,35 @@ PROGRESS_MODES: tuple[str, ...] = ("auto", "bar", "lines", "jsonl", "quiet")
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 NAME_MAX_CHARS = 100
 MAX_BLOCK_SIZE = 8192
-MAX_VOCAB_SIZE = 65536
+MAX_VOCAB_SIZE = 2**22
+"""Above any real tokenizer's (262,144 is the largest in common use); ids past 65,535
+are stored as uint32 token files."""
 MAX_MARKOV_ORDER = 3
 MAX_MARKOV_STATES = 2**20
 MAX_SEED = 2**32 - 1
+# Ceilings of every count in the spec: generous for any real run, and far below the
+# values (1e30 steps, 1e5-wide layers) that would only fail later, in a worker.
+MAX_STEPS = 10**9
+"""Steps, and every cadence or distance counted in steps."""
+MAX_BATCH_SIZE = 2**24
+"""Samples in a global batch, a micro-batch, or micro-batches per pipeline step."""
+MAX_WORKERS = 10_000
+"""World size: workers, pipeline stages and replicas, parameter-server shards."""
+MAX_UPDATES = MAX_STEPS * MAX_WORKERS
+"""Parameter-server shard updates: every worker's every step."""
+MAX_LAYERS = 10_000
+MAX_WIDTH = 2**16
+"""model.n_embd, model.n_head and compression.rank."""
+MAX_NUMEL = 2**40
+"""Elements counted in one bucket or tensor."""
+MAX_BUCKET_MB = 2**20
+MAX_EVAL_SAMPLES = 10**7
+MAX_VIRTUAL_STAGES = 1000
+MAX_CHECKPOINTS_KEPT = 10**6
+MAX_RESTARTS = 10**6
+MAX_CPUS_PER_WORKER = 1024
+MAX_SLOW_FACTOR = 1000
+MAX_START_TIMEOUT_S = 10**7
 
 
 # ---- validation -----------------------------------------------------------------
@@ -198,6 +223,7 @@ def validate(cfg: JobConfig) -> None:
     _validate_faults(cfg)
     max_failures = cfg.failure.max_failures
     _require("failure.max_failures", max_failures >= -1, max_failures, ">= -1 (-1: unlimited)")
+    _cap("failure.max_failures", max_failures, MAX_RESTARTS, why=" (-1: unlimited)")
     _check_choice("tracking.backend", cfg.tracking.backend, TRACKING_BACKENDS)
     _validate_log(cfg)
     _check_choice("log.progress", cfg.log.progress, PROGRESS_MODES)
@@ -207,6 +233,8 @@ def validate(cfg: JobConfig) -> None:
 def _validate_log(cfg: JobConfig) -> None:
     every, evals = cfg.log.every_steps, cfg.log.eval_every_steps
     _require("log.every_steps", every >= 1, every, ">= 1")
+    _cap("log.every_steps", every, MAX_STEPS)
+    _cap("log.eval_every_steps", evals, MAX_STEPS)
     allowed = f"0 (only at the end) or a multiple of log.every_steps={every}"
     _require("log.eval_every_steps", evals >= 0 and evals % every == 0, evals, allowed)
 
@@ -222,8 +250,11 @@ def _validate_name(name: str) -> None:
 def _validate_model(m: ModelConfig) -> None:
     _check_choice("model.kind", m.kind, MODEL_KINDS)
     _require("model.n_layer", m.n_layer >= 1, m.n_layer, ">= 1")
+    _cap("model.n_layer", m.n_layer, MAX_LAYERS)
     _require("model.n_head", m.n_head >= 1, m.n_head, ">= 1")
+    _cap("model.n_head", m.n_head, MAX_WIDTH)
     _require("model.n_embd", m.n_embd >= 1, m.n_embd, ">= 1")
+    _cap("model.n_embd", m.n_embd, MAX_WIDTH)
     _require(
         "model.block_size",
         2 <= m.block_size <= MAX_BLOCK_SIZE,
@@ -232,6 +263,7 @@ def _validate_model(m: ModelConfig) -> None:
     )
     _require("model.dropout", 0 <= m.dropout < 1, m.dropout, "[0, 1)")
     _require("model.context", m.context >= 1, m.context, ">= 1")
+    _cap("model.context", m.context, MAX_BLOCK_SIZE)
     _validate_model_source(m)
     if m.kind == "gpt" and m.n_embd % m.n_head:
         raise ConfigError(
@@ -325,8 +357,9 @@ def _validate_data(d: DataConfig) -> None:
     _require("data.concentration", d.concentration > 0, d.concentration, "> 0")
     _require("data.seed", 0 <= d.seed <= MAX_SEED, d.seed, f"0 to {MAX_SEED}")
     _require("data.eval_samples", d.eval_samples >= 0, d.eval_samples, ">= 0")
+    _cap("data.eval_samples", d.eval_samples, MAX_EVAL_SAMPLES)
     states = d.vocab_size**d.order
-    if states > MAX_MARKOV_STATES:
+    if d.kind == "markov" and states > MAX_MARKOV_STATES:
         raise ConfigError(
             f"data.vocab_size={d.vocab_size} with data.order={d.order} gives {states} Markov "
             f"states (vocab_size**order), more than the {MAX_MARKOV_STATES} (2**20) that fit; "
@@ -384,8 +417,11 @@ def _validate_data_files(d: DataConfig) -> None:
 
 def _validate_train(t: TrainConfig) -> None:
     _require("train.steps", t.steps >= 1, t.steps, ">= 1")
+    _cap("train.steps", t.steps, MAX_STEPS)
     _require("train.global_batch_size", t.global_batch_size >= 1, t.global_batch_size, ">= 1")
+    _cap("train.global_batch_size", t.global_batch_size, MAX_BATCH_SIZE)
     _require("train.micro_batch_size", t.micro_batch_size >= 1, t.micro_batch_size, ">= 1")
+    _cap("train.micro_batch_size", t.micro_batch_size, MAX_BATCH_SIZE)
     _require("train.seed", 0 <= t.seed <= MAX_SEED, t.seed, f"0 to {MAX_SEED}")
     _check_choice("train.precision", t.precision, PRECISIONS)
 
@@ -408,10 +444,12 @@ def _validate_strategy(cfg: JobConfig) -> None:
     s = cfg.strategy
     _check_choice("strategy.kind", s.kind, STRATEGY_KINDS)
     _require("strategy.bucket_cap_mb", s.bucket_cap_mb > 0, s.bucket_cap_mb, "> 0")
+    _cap("strategy.bucket_cap_mb", s.bucket_cap_mb, MAX_BUCKET_MB)
     _require("strategy.stage", 1 <= s.stage <= 3, s.stage, "1, 2 or 3")
     _check_choice("strategy.offload_optimizer", s.offload_optimizer, OFFLOAD_DEVICES)
     _check_choice("strategy.offload_param", s.offload_param, OFFLOAD_DEVICES)
     _require("strategy.reduce_bucket_size", s.reduce_bucket_size > 0, s.reduce_bucket_size, "> 0")
+    _cap("strategy.reduce_bucket_size", s.reduce_bucket_size, MAX_NUMEL)
     if s.offload_param != "none" and s.stage != 3:
         raise ConfigError(
             f"strategy.offload_param={s.offload_param} needs strategy.stage=3 "
@@ -432,9 +470,13 @@ def _validate_pipeline(cfg: JobConfig) -> None:
     _check_choice("strategy.schedule", s.schedule, PIPELINE_SCHEDULES)
     _check_choice("strategy.engine", s.engine, PIPELINE_ENGINES)
     _require("strategy.stages", s.stages >= 2, s.stages, ">= 2 (one stage: use ddp)")
+    _cap("strategy.stages", s.stages, MAX_WORKERS)
     _require("strategy.microbatches", s.microbatches >= 1, s.microbatches, ">= 1")
+    _cap("strategy.microbatches", s.microbatches, MAX_BATCH_SIZE)
     _require("strategy.virtual_stages", s.virtual_stages >= 0, s.virtual_stages, ">= 0")
+    _cap("strategy.virtual_stages", s.virtual_stages, MAX_VIRTUAL_STAGES)
     _require("strategy.data_parallel", s.data_parallel >= 1, s.data_parallel, ">= 1")
+    _cap("strategy.data_parallel", s.data_parallel, MAX_WORKERS)
     if s.kind != "pipeline":
         return
     p, d, v = s.stages, s.data_parallel, cfg.pipeline_virtual_stages
@@ -494,17 +536,22 @@ def _validate_parameter_server(cfg: JobConfig) -> None:
     _check_choice("strategy.consistency", s.consistency, PS_CONSISTENCY)
     _check_choice("strategy.staleness_lr", s.staleness_lr, PS_STALENESS_LR)
     _require("strategy.num_shards", s.num_shards >= 1, s.num_shards, ">= 1")
+    _cap("strategy.num_shards", s.num_shards, MAX_WORKERS)
     _require("strategy.staleness_bound", s.staleness_bound >= 0, s.staleness_bound, ">= 0")
+    _cap("strategy.staleness_bound", s.staleness_bound, MAX_UPDATES)
     _require("strategy.staleness_alpha", s.staleness_alpha >= 0, s.staleness_alpha, ">= 0")
     _require("strategy.pull_every", s.pull_every >= 1, s.pull_every, ">= 1")
+    _cap("strategy.pull_every", s.pull_every, MAX_STEPS)
     _require(
         "strategy.checkpoint_every_updates",
         s.checkpoint_every_updates >= 1,
         s.checkpoint_every_updates,
         ">= 1",
     )
+    _cap("strategy.checkpoint_every_updates", s.checkpoint_every_updates, MAX_UPDATES)
     f = cfg.faults
     _require("faults.slow_factor", f.slow_factor >= 1, f.slow_factor, ">= 1")
+    _cap("faults.slow_factor", f.slow_factor, MAX_SLOW_FACTOR)
     if s.kind != "ps":
         return
     if s.staleness_bound and s.consistency != "ssp" and not s.reject_beyond_bound:
@@ -546,14 +593,12 @@ def _validate_parameter_server(cfg: JobConfig) -> None:
 
 
 def _parameter_tensors(cfg: JobConfig) -> int:
-    """The model's parameter tensors (a shared one counted once), built without memory."""
-    import torch
-
+    """The built-in model's parameter tensors (a shared one counted once), by formula:
+    building even a meta-device model of thousands of layers takes minutes."""
     from trainstack.models import MODELS
 
-    with torch.device("meta"):
-        model = MODELS[cfg.model.kind](cfg.model, vocab_size=cfg.data.vocab_size)
-    return len(list(model.parameters()))
+    _, tensors = MODELS[cfg.model.kind].count_parameters(cfg.model, vocab_size=cfg.data.vocab_size)
+    return tensors
 
 
 def _validate_deepspeed_pipeline(cfg: JobConfig) -> None:
@@ -637,7 +682,9 @@ def _validate_compression(cfg: JobConfig) -> None:
     bits_allowed = ", ".join(str(b) for b in QSGD_BITS)
     _require("compression.bits", c.bits in QSGD_BITS, c.bits, bits_allowed)
     _require("compression.rank", c.rank >= 1, c.rank, ">= 1")
+    _cap("compression.rank", c.rank, MAX_WIDTH)
     _require("compression.min_numel", c.min_numel >= 0, c.min_numel, ">= 0")
+    _cap("compression.min_numel", c.min_numel, MAX_NUMEL)
     if c.kind != "none" and cfg.strategy.kind not in ("ddp", "ps"):
         raise ConfigError(
             f"compression.kind={c.kind} needs strategy.kind=ddp or ps; got {cfg.strategy.kind}"
@@ -646,14 +693,21 @@ def _validate_compression(cfg: JobConfig) -> None:
 
 def _validate_scaling(s: ScalingConfig) -> None:
     _require("scaling.num_workers", s.num_workers >= 1, s.num_workers, ">= 1")
+    _cap("scaling.num_workers", s.num_workers, MAX_WORKERS)
     _require("scaling.cpus_per_worker", s.cpus_per_worker > 0, s.cpus_per_worker, "> 0")
+    _cap("scaling.cpus_per_worker", s.cpus_per_worker, MAX_CPUS_PER_WORKER)
+    timeout = s.start_timeout_s
+    _require("scaling.start_timeout_s", timeout >= 0, timeout, ">= 0 (0: wait forever)")
+    _cap("scaling.start_timeout_s", timeout, MAX_START_TIMEOUT_S, why=" (0: wait forever)")
 
 
 def _validate_checkpoint(c: CheckpointConfig) -> None:
     _require(
         "checkpoint.every_steps", c.every_steps >= 0, c.every_steps, ">= 0 (0: only at the end)"
     )
+    _cap("checkpoint.every_steps", c.every_steps, MAX_STEPS)
     _require("checkpoint.keep", c.keep >= 1, c.keep, ">= 1")
+    _cap("checkpoint.keep", c.keep, MAX_CHECKPOINTS_KEPT)
     if not c.storage_path.strip():
         raise ConfigError(f"checkpoint.storage_path={c.storage_path!r} is empty; allowed: a path")
     if "://" in c.storage_path:
@@ -672,7 +726,12 @@ def _validate_faults(cfg: JobConfig) -> None:
         "faults.random_kills", 0 <= f.random_kills < steps, f.random_kills, f"0 to {steps - 1}"
     )
     _require("faults.rank", -1 <= f.rank < workers, f.rank, f"-1 (random) to {workers - 1}")
+    for i, update in enumerate(f.kill_shard_at_updates):
+        where = f"faults.kill_shard_at_updates[{i}]"
+        _require(where, 1 <= update <= MAX_UPDATES, update, f"1 to {MAX_UPDATES:,}")
     _require("faults.seed", 0 <= f.seed <= MAX_SEED, f.seed, f"0 to {MAX_SEED}")
+    _cap("faults.shard", f.shard, MAX_WORKERS)  # ps: checked against its shards too
+    _cap("faults.slow_rank", f.slow_rank, MAX_WORKERS)
 
 
 def _validate_streaming(cfg: JobConfig) -> None:
@@ -723,6 +782,24 @@ def _require(key: str, ok: bool, value: object, allowed: str) -> None:
         raise ConfigError(f"{key}={show(value)} is not a finite number; allowed: {allowed}")
     if not ok:
         raise ConfigError(f"{key}={show(value)} is out of range; allowed: {allowed}")
+
+
+def _cap(key: str, value: float, most: int, *, why: str = "") -> None:
+    """Raise when a count is past `most`, the ceiling of what can run."""
+    if value > most:
+        raise ConfigError(
+            f"{key}={_show_number(value)} is out of range; allowed: at most {most:,}{why}"
+        )
+
+
+def _show_number(value: float) -> str:
+    """`value` for a message; a huge one (a YAML `1e30` read as an integer) as `1e+30`."""
+    if abs(value) < 10**15:
+        return show(value)
+    try:
+        return f"{float(value):.3g}"
+    except OverflowError:
+        return "a number past 1e308"
 
 
 def _check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:

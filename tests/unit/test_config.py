@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import textwrap
+import typing
 from pathlib import Path
 
 import pytest
@@ -196,7 +197,7 @@ def test_lenient_scalar_coercion() -> None:
         ({"strategy": {"bucket_cap_mb": ".inf"}}, "strategy.bucket_cap_mb: expected a number"),
         ({"strategy": {"bucket_cap_mb": float("inf")}}, "strategy.bucket_cap_mb=inf is not a"),
         ({"optim": {"betas": [0.9, 1.0]}}, "optim.betas[1]=1.0 is out of range; allowed: [0, 1)"),
-        ({"data": {"vocab_size": 1}}, "data.vocab_size=1 is out of range; allowed: 2 to 65536"),
+        ({"data": {"vocab_size": 1}}, "data.vocab_size=1 is out of range; allowed: 2 to 4194304"),
         ({"model": {"block_size": 9000}}, "model.block_size=9000 is out of range"),
         ({"failure": {"max_failures": -2}}, "failure.max_failures=-2 is out of range"),
         ({"name": "my job"}, "name='my job' is not a valid run name"),
@@ -432,3 +433,79 @@ def test_deepspeed_zero_keys_trainstack_derives_are_refused() -> None:
     assert message.endswith("set strategy.reduce_bucket_size instead")
     pinned = config_from_dict(zero({"offload_optimizer": {"pin_memory": True}}))  # sub-options pass
     assert pinned.deepspeed["zero_optimization"]["offload_optimizer"] == {"pin_memory": True}
+
+
+# ---- every count has a ceiling -----------------------------------------------------
+
+COUNT_FLOATS = {
+    ("strategy", "bucket_cap_mb"),
+    ("scaling", "cpus_per_worker"),
+    ("scaling", "start_timeout_s"),
+    ("faults", "slow_factor"),
+}
+"""Float fields that count a resource or a repetition; the rest are rates and ratios."""
+
+
+def count_fields() -> list[tuple[str, str, object]]:
+    """(section, key, a value past any ceiling) for every count in the job spec."""
+    out: list[tuple[str, str, object]] = []
+    for section, cls in typing.get_type_hints(JobConfig).items():
+        if not dataclasses.is_dataclass(cls):
+            continue
+        for key, hint in typing.get_type_hints(cls).items():
+            if hint is int:
+                out.append((section, key, 10**30))
+            elif hint == tuple[int, ...]:
+                out.append((section, key, [10**30]))
+            elif (section, key) in COUNT_FLOATS:
+                out.append((section, key, 1e30))
+    return out
+
+
+@pytest.mark.parametrize(("section", "key", "value"), count_fields())
+def test_every_count_in_the_spec_has_a_ceiling(section: str, key: str, value: object) -> None:
+    message = error_of({section: {key: value}})
+    assert message.startswith(f"{section}.{key}"), message
+    assert "out of range" in message or "must be less than" in message, message
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "train: {steps: 1e30}",
+            "train.steps=1e+30 is out of range; allowed: at most 1,000,000,000",
+        ),
+        ("train: {steps: 1.0e+30}", "train.steps=1e+30 is out of range; allowed: at most"),
+        ("train: {steps: 1000000001}", "train.steps=1000000001 is out of range; allowed: at most"),
+        ("train: {global_batch_size: 1e9}", "train.global_batch_size=1000000000 is out of range"),
+        (
+            "model: {n_layer: 100000}",
+            "model.n_layer=100000 is out of range; allowed: at most 10,000",
+        ),
+        ("model: {n_embd: 131072}", "model.n_embd=131072 is out of range; allowed: at most 65,536"),
+        ("data: {eval_samples: 1e12}", "data.eval_samples=1000000000000 is out of range"),
+        ("scaling: {num_workers: 100000}", "scaling.num_workers=100000 is out of range"),
+        ("checkpoint: {every_steps: 1e30}", "checkpoint.every_steps=1e+30 is out of range"),
+        ("strategy: {kind: ps, num_shards: 1e5}", "strategy.num_shards=100000 is out of range"),
+        ("log: {every_steps: 1e10}", "log.every_steps=10000000000 is out of range"),
+        ("scaling: {start_timeout_s: -1}", "scaling.start_timeout_s=-1.0 is out of range"),
+        ("faults: {kill_shard_at_updates: [0]}", "faults.kill_shard_at_updates[0]=0 is out of"),
+    ],
+)
+def test_counts_past_what_can_run_are_refused(tmp_path: Path, text: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    assert str(info.value).startswith(expected), str(info.value)
+
+
+def test_counts_at_their_ceiling_build() -> None:
+    cfg = config_from_dict(
+        {
+            "train": {"steps": 10**9},
+            "checkpoint": {"every_steps": 10**9, "keep": 10**6},
+            "log": {"every_steps": 10**9},
+            "scaling": {"start_timeout_s": 0},
+        }
+    )
+    assert cfg.train.steps == 10**9 and cfg.scaling.start_timeout_s == 0

@@ -81,6 +81,17 @@ def test_token_files_round_trip_with_the_llm_c_header(tmp_path: Path, top: int) 
     assert isinstance(tf.tokens, np.memmap) and tf.tokens.tolist() == ids.tolist()
 
 
+def test_a_vocabulary_past_uint16_trains_from_uint32_files(tmp_path: Path) -> None:
+    ids = np.arange(0, 128_000, 1000, dtype=np.int64)  # ids up to 127,000: uint32 on disk
+    write_token_file(tmp_path / "big.bin", ids)
+    cfg = lm_job(train=[str(tmp_path / "big.bin")], vocab_size=128_256)
+    check_data(cfg)  # every id below the vocabulary
+    corpus = token_corpus(cfg.data.train, (), cfg=cfg.data, seq_len=T)
+    x, y = corpus.train_batch(0, 2, seq_len=T)
+    assert int(torch.cat([x, y]).max()) >= 2**16
+    one_line_error(lm_job(train=[str(tmp_path / "big.bin")], vocab_size=100_000), "127000")
+
+
 @pytest.mark.parametrize("dtype", ["uint16", "uint32"])
 def test_raw_token_files_use_the_token_dtype(tmp_path: Path, dtype: str) -> None:
     ids = np.arange(41, dtype=dtype) % 64

@@ -130,6 +130,18 @@ class GPT(nn.Module):
         """Parameters, each tensor counted once (the tied head is the token embedding)."""
         return sum(p.numel() for p in self.parameters())
 
+    @staticmethod
+    def count_parameters(cfg: ModelConfig, *, vocab_size: int) -> tuple[int, int]:
+        """(parameters, parameter tensors) of `GPT(cfg, vocab_size)`, without building it.
+
+        Embeddings (the head is tied to the token embedding) V*d + T*d, each block
+        12*d*d + 10*d (ln_1, c_attn without bias, c_proj, ln_2, c_fc, c_proj) in 11
+        tensors, and ln_f 2*d in 2.
+        """
+        d = cfg.n_embd
+        numel = (vocab_size + cfg.block_size) * d + cfg.n_layer * (12 * d * d + 10 * d) + 2 * d
+        return numel, 2 + 11 * cfg.n_layer + 2
+
     def flops_per_token(self) -> int:
         """Training FLOPs per token, forward + backward (PaLM appendix B, as in nanoGPT).
 

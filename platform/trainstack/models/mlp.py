@@ -53,6 +53,16 @@ class WindowMLP(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    @staticmethod
+    def count_parameters(cfg: ModelConfig, *, vocab_size: int) -> tuple[int, int]:
+        """(parameters, parameter tensors) of `WindowMLP(cfg, vocab_size)`, without
+        building it: the embedding (with its pad row), each hidden layer's weight and
+        bias, and the head's."""
+        d = cfg.n_embd
+        hidden = (cfg.context * d * d + d) + (cfg.n_layer - 1) * (d * d + d)
+        numel = (vocab_size + 1) * d + hidden + d * vocab_size + vocab_size
+        return numel, 1 + 2 * cfg.n_layer + 2
+
     def flops_per_token(self) -> int:
         """Training FLOPs per token, forward + backward: `6 * N_matmul`.
 

@@ -1,9 +1,10 @@
 """Pre-flight: everything about a job the driver can check before Ray starts.
 
-The data's files are found (globs expanded to absolute paths, which is the spec the
-workers get), checked (sizes, dtypes, token ids and labels in range) and, for text,
-prepared once; the user's model target imports and builds (seeded, as the workers
-will build it), `task.loss` imports, one micro-batch of the job's data goes through
+The checkpoint storage must take a file (a probe is written there and removed). The data's files
+are found (globs expanded to absolute paths, which is the spec the workers get),
+checked (sizes, dtypes, token ids and labels in range) and, for text, prepared once;
+the user's model target imports and builds (seeded, as the workers will build it),
+`task.loss` imports, one micro-batch of the job's data goes through
 the model and the task's loss (so an output of the wrong shape is one line here, not
 a worker traceback), and the layout fits the model (pipeline layers, parameter-server
 shards). Every problem is a `ConfigError`: one line, exit 2, nothing started.
@@ -11,13 +12,17 @@ shards). Every problem is a `ConfigError`: one line, exit 2, nothing started.
 
 from __future__ import annotations
 
+import os
+import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from trainstack import checkpoint as ckpt
 from trainstack.config import ConfigError, JobConfig
+from trainstack.config_fields import show
 from trainstack.data import Source, build_corpus
 from trainstack.data.paths import resolve_data
 from trainstack.models import build_model, num_params
@@ -41,6 +46,7 @@ class PreflightReport:
 
 def preflight(cfg: JobConfig) -> PreflightReport:
     """Check `cfg` against its model and data on the driver; raise ConfigError."""
+    check_storage(cfg)
     cfg = resolve_data(cfg)
     corpus = check_data(cfg)
     task = build_task(cfg)
@@ -59,6 +65,34 @@ def preflight(cfg: JobConfig) -> PreflightReport:
         params=num_params(model),
         shapes=ckpt.parameter_shapes(model),
     )
+
+
+def check_storage(cfg: JobConfig) -> None:
+    """`checkpoint.storage_path` (and the run's directory, if it exists) takes a file: the
+    missing folders are created, a probe file is written and removed, and the folders
+    this check created are removed again, so a job refused later leaves nothing behind."""
+    storage = Path(cfg.checkpoint.storage_path).expanduser().resolve()
+    run_dir = ckpt.run_dir_for(cfg)
+    for folder in (storage, run_dir) if run_dir.is_dir() else (storage,):
+        created = [p for p in (folder, *folder.parents) if not p.exists()]
+        probe = folder / f".trainstack-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            reason = (e.strerror or type(e).__name__).lower()
+            raise ConfigError(
+                f"checkpoint.storage_path={show(cfg.checkpoint.storage_path)}: cannot write "
+                f"in {str(folder)!r} ({reason}); allowed: a directory this user can create "
+                "files in (on a cluster, one every node mounts)"
+            ) from None
+        finally:
+            for path in created:  # deepest first
+                try:
+                    path.rmdir()
+                except OSError:
+                    pass
 
 
 def check_data(cfg: JobConfig) -> Source:

@@ -1,0 +1,299 @@
+"""What a job needs of the machine it runs on, checked on the driver before Ray starts.
+
+A local run starts an embedded Ray instance on this machine, so everything the
+workers will ask for can be compared with what the machine has:
+
+- **Workers.** The Train worker group (or the parameter server's worker actors)
+  reserves `num_workers × cpus_per_worker` CPUs and, with `use_gpu`, one GPU per
+  worker; the controller, the event queue and the parameter-server shards and clock
+  reserve none. More than the machine has would wait forever for room that never
+  comes, so it is refused.
+- **Memory.** An estimate of the model state the workers hold (`model_state`):
+  parameters, gradients and optimizer state, from the parameter count (by formula for
+  the built-in models, from a meta-device build for the others). Activations, data
+  and the frameworks' own memory come on top, so the estimate is a floor: a job
+  refused here could never run; a job accepted may still run out of memory.
+
+On a cluster (`--address`) the machines are not known before connecting: the
+launcher says what is missing while the workers wait for room, for up to
+`scaling.start_timeout_s` (`cluster_wait_note`, `worker_group_start_timeout`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from trainstack.config import ConfigError, JobConfig
+
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelState:
+    """Bytes of model state a job holds, estimated from its parameter count."""
+
+    params: int
+    per_worker: int
+    """Bytes one worker holds: its parameters, gradients and optimizer state."""
+    on_device: int
+    """The part of `per_worker` on the worker's GPU (offloaded state is in host memory)."""
+    elsewhere: int
+    """Bytes held outside the workers: the parameter-server shards' parameters and
+    optimizer state."""
+    what: str
+    """What is counted, for messages: `parameters, gradients and AdamW state`."""
+
+
+def parameter_count(cfg: JobConfig) -> int | None:
+    """The model's parameters without allocating them: by formula for the built-in
+    models, else built on the meta device; None when that fails (the real build in
+    pre-flight then reports why) or would read weights (`model.pretrained`)."""
+    from trainstack.models import MODELS, build_model
+
+    m = cfg.model
+    if m.kind in MODELS:
+        numel, _ = MODELS[m.kind].count_parameters(m, vocab_size=cfg.data.vocab_size)
+        return numel
+    if m.pretrained:
+        return None
+    try:
+        with torch.device("meta"):
+            model = build_model(m, vocab_size=cfg.data.vocab_size, seed=cfg.train.seed)
+    except Exception:  # the user's code: pre-flight's real build says what is wrong
+        return None
+    return sum(p.numel() for p in model.parameters())
+
+
+def model_state(cfg: JobConfig, params: int) -> ModelState:
+    """Per-worker bytes of `params` parameters under the job's strategy and optimizer.
+
+    fp32 weights and gradients (bf16 is autocast over fp32 weights), and the optimizer's
+    fp32 state: AdamW two moments (8 bytes a parameter), SGD its momentum (4, none
+    without momentum). ZeRO shards over the N workers as in the README's ZeRO table
+    (DeepSpeed 0.19.8's allocations): training-dtype (e bytes) parameters (stage 3: /N)
+    and gradients (stages 2, 3: /N), and an fp32 master copy plus the optimizer state
+    /N. A pipeline rank holds 1/stages of the model (an even split); a parameter-server
+    worker holds weights and gradients, and its shards the weights and optimizer state.
+    """
+    o, optim = _optimizer_bytes(cfg)
+    s, n = cfg.strategy, cfg.scaling.num_workers
+    offloaded = 0
+    elsewhere = 0
+    if s.kind == "zero":
+        e = FP32_BYTES if cfg.train.precision == "fp32" else 2
+        weights = e * params if s.stage < 3 else e * params // n
+        grads = e * params if s.stage == 1 else e * params // n
+        state = (FP32_BYTES + o) * params // n
+        per_worker = weights + grads + state
+        if s.offload_optimizer != "none":
+            offloaded += state
+        if s.offload_param != "none":
+            offloaded += weights
+    elif s.kind == "ps":
+        per_worker = 2 * FP32_BYTES * params
+        elsewhere = (FP32_BYTES + o) * params
+    else:
+        per_worker = (2 * FP32_BYTES + o) * params
+        if s.kind == "pipeline":
+            per_worker //= s.stages
+    what = "parameters and gradients"
+    if o and s.kind != "ps":
+        what = f"parameters, gradients and {optim} state"
+    return ModelState(
+        params=params,
+        per_worker=per_worker,
+        on_device=per_worker - offloaded,
+        elsewhere=elsewhere,
+        what=what,
+    )
+
+
+def _optimizer_bytes(cfg: JobConfig) -> tuple[int, str]:
+    """fp32 optimizer state bytes per parameter, and the optimizer's name."""
+    if cfg.optim.kind == "adamw":
+        return 2 * FP32_BYTES, "AdamW"
+    return (FP32_BYTES if cfg.optim.momentum else 0), "SGD momentum"
+
+
+# ---- this machine -------------------------------------------------------------------
+
+
+def local_cpus() -> float:
+    """CPUs an embedded Ray instance started here gets: Ray's own count (which
+    `ray.init` uses: the cgroup quota in a container, else the machine's CPUs)."""
+    try:
+        from ray._private.utils import get_num_cpus
+
+        return float(get_num_cpus())
+    except (ImportError, AttributeError):  # Ray moved it: the CPUs this process may use
+        return float(len(os.sched_getaffinity(0)))
+
+
+def local_memory_bytes() -> int:
+    """This machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits_this_machine(cfg: JobConfig) -> None:
+    """Raise ConfigError when the workers can never all run on this machine: more CPUs
+    or GPUs than it has, or more model state than its memory (or its GPU's)."""
+    check_local_resources(cfg, cpus=local_cpus(), gpus=_local_gpus())
+    params = parameter_count(cfg)
+    if params is None:
+        return
+    state = model_state(cfg, params)
+    if uses_gpus(cfg):
+        if torch.cuda.is_available():
+            device = torch.cuda.get_device_properties(0)
+            check_model_fits(cfg, state, memory=device.total_memory, where=f"one {device.name}")
+        return
+    check_model_fits(cfg, state, memory=local_memory_bytes(), where="this machine")
+
+
+def uses_gpus(cfg: JobConfig) -> bool:
+    """Whether each worker reserves a GPU (parameter-server workers train on CPU)."""
+    return cfg.scaling.use_gpu and cfg.strategy.kind != "ps"
+
+
+def _local_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_local_resources(cfg: JobConfig, *, cpus: float, gpus: int) -> None:
+    """The workers' reservations against an embedded instance with `cpus` and `gpus`."""
+    s = cfg.scaling
+    needed = s.num_workers * s.cpus_per_worker
+    if needed > cpus + 1e-9:
+        raise ConfigError(
+            f"scaling.num_workers × scaling.cpus_per_worker = {s.num_workers} × "
+            f"{s.cpus_per_worker:g} = {needed:g} CPUs, but the local Ray instance this run "
+            f"starts has this machine's {cpus:g}; allowed: num_workers × cpus_per_worker "
+            f"<= {cpus:g} (or run on a cluster with --address)"
+        )
+    if uses_gpus(cfg) and s.num_workers > gpus:
+        raise ConfigError(
+            f"scaling.num_workers={s.num_workers} with scaling.use_gpu=true needs "
+            f"{s.num_workers} GPUs, but this machine has {gpus} that torch can use; allowed: "
+            f"num_workers <= {gpus}, use_gpu=false, or a cluster (--address)"
+        )
+
+
+def check_model_fits(cfg: JobConfig, state: ModelState, *, memory: int, where: str) -> None:
+    """Raise ConfigError when the model state is more than `memory`: a GPU's for each
+    GPU worker, else this machine's for all the workers and shards together."""
+    m, workers = cfg.model, cfg.scaling.num_workers
+    model = f"model.kind={m.kind}"
+    if m.kind == "gpt" or m.kind == "mlp":
+        model += f" (n_layer={m.n_layer}, n_embd={m.n_embd}, vocab {cfg.data.vocab_size})"
+    figure = (
+        f"{model}: about {_bytes(state.per_worker)} of {state.what} per worker "
+        f"({state.params:,} parameters)"
+    )
+    hint = "use a smaller model or fewer workers"
+    if cfg.strategy.kind != "zero":
+        hint = "use a smaller model, fewer workers, or strategy.kind=zero (sharded state)"
+    if uses_gpus(cfg):
+        if state.on_device > memory:
+            raise ConfigError(f"{figure}, more than the {_bytes(memory)} of {where}; {hint}")
+        return
+    total = workers * state.per_worker + state.elsewhere
+    if total <= memory:
+        return
+    together = ""
+    if workers > 1 or state.elsewhere:
+        shards = " and the parameter-server shards" if state.elsewhere else ""
+        together = f", {_bytes(total)} for the {workers} worker(s){shards} together"
+    raise ConfigError(f"{figure}{together}, more than the {_bytes(memory)} {where} has; {hint}")
+
+
+def _bytes(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:,.1f} TiB"
+
+
+# ---- a cluster --------------------------------------------------------------------
+
+
+def worker_resources(cfg: JobConfig) -> dict[str, float]:
+    """What all the workers reserve together, by Ray resource name."""
+    s = cfg.scaling
+    needs = {"CPU": s.num_workers * s.cpus_per_worker}
+    if uses_gpus(cfg):
+        needs["GPU"] = float(s.num_workers)
+    return needs
+
+
+def cluster_shortfall(cfg: JobConfig, free: dict[str, float]) -> str | None:
+    """What the workers need that `free` (Ray's available resources) lacks, in words;
+    None when they fit (by totals: one node's share is Ray's to place)."""
+    missing = [
+        f"{need:g} {name} ({free.get(name, 0.0):g} free)"
+        for name, need in worker_resources(cfg).items()
+        if need > free.get(name, 0.0) + 1e-9
+    ]
+    return " and ".join(missing) or None
+
+
+def cluster_wait_note(cfg: JobConfig, free: dict[str, float]) -> str | None:
+    """The line to show while the workers wait for room on a cluster, or None."""
+    short = cluster_shortfall(cfg, free)
+    if short is None:
+        return None
+    timeout = cfg.scaling.start_timeout_s
+    limit = f"up to scaling.start_timeout_s={timeout:g} s" if timeout else "with no time limit"
+    return (
+        f"waiting for room on the cluster ({limit}): scaling.num_workers="
+        f"{cfg.scaling.num_workers} need {short}"
+    )
+
+
+def start_timeout_message(cfg: JobConfig) -> str:
+    """Why a run ended when its workers found no room within `scaling.start_timeout_s`."""
+    needs = " and ".join(f"{need:g} {name}" for name, need in worker_resources(cfg).items())
+    return (
+        f"the cluster did not make room for scaling.num_workers={cfg.scaling.num_workers} "
+        f"({needs}) within scaling.start_timeout_s={cfg.scaling.start_timeout_s:g} s; free or "
+        "add resources, lower scaling.num_workers, or raise scaling.start_timeout_s "
+        "(0: wait forever)"
+    )
+
+
+def is_start_timeout(error: BaseException) -> bool:
+    """Whether Ray Train gave up because the worker group found no room in time."""
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+
+    return isinstance(getattr(error, "controller_failure", None), WorkerGroupStartupTimeoutError)
+
+
+@contextlib.contextmanager
+def worker_group_start_timeout(timeout_s: float) -> Iterator[None]:
+    """Ray Train's worker-group start timeout set to `timeout_s` for the fit inside.
+
+    Ray Train reads it from the driver's environment when it starts the controller,
+    which waits that long for the workers' placement group (the pending request is what
+    an autoscaler scales up for). With the controller allowed no retries
+    (`FailureConfig(controller_failure_limit=0)`), running out of time ends the run; 0
+    keeps Ray's default, a 60 s wait retried forever.
+    """
+    from ray.train.v2._internal.constants import WORKER_GROUP_START_TIMEOUT_S_ENV_VAR as name
+
+    if not timeout_s:
+        yield
+        return
+    before = os.environ.get(name)
+    os.environ[name] = str(timeout_s)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
