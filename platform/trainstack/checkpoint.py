@@ -16,6 +16,7 @@ first and uses `torch.load(weights_only=True)`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -33,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 import trainstack
-from trainstack.config import JobConfig
+from trainstack.config import ConfigError, JobConfig, config_from_dict, config_to_dict
+from trainstack.config_fields import show
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -203,6 +205,106 @@ def check_same_data(start: Checkpoint, fingerprint: str, *, allow: bool) -> None
     )
 
 
+SAME_RUN_EXEMPT = (
+    "name",
+    "checkpoint.",
+    "log.",
+    "tracking.",
+    "failure.",
+    "faults.",
+    "data.allow_changed",
+    "data.train",
+    "data.val",
+    "data.prepared_dir",
+    "scaling.start_timeout_s",
+)
+"""Spec keys (with a trailing dot: whole sections) a rerun may change and still be the
+same run: how it saves, logs, is tracked, waits for workers and survives failures, and
+where its data lies (the data's fingerprint, `check_same_data`, says whether it is the
+same data)."""
+
+LAYOUT_KEYS = (
+    "scaling.num_workers",
+    "scaling.use_gpu",
+    "scaling.cpus_per_worker",
+    "train.micro_batch_size",
+)
+"""Keys a run that trains on may change: the same steps on another world size (README,
+"Another world size"). A finished run would not train at all, so there they count."""
+
+
+def check_same_run(start: Checkpoint, cfg: JobConfig) -> None:
+    """Raise CheckpointError when `start`, a checkpoint of `cfg`'s own run, was written
+    under a spec that differs from `cfg` in a key that changes what the run computes or
+    reports: rerunning would report, or continue, another run than `cfg` describes.
+
+    Keys that do not count: `SAME_RUN_EXEMPT`; every `data.` key with `data.allow_changed`;
+    `LAYOUT_KEYS` while the run has steps left; `train.steps` raised (training continues).
+    """
+    saved = _flat_spec(start.manifest["spec"])
+    now = _flat_spec(config_to_dict(cfg))
+    trains_on = start.step < cfg.train.steps
+
+    def counts(key: str) -> bool:
+        old, new = saved.get(key, _ABSENT), now.get(key, _ABSENT)
+        if old == new or _is_key_in(key, SAME_RUN_EXEMPT):
+            return False
+        if key.startswith("data.") and cfg.data.allow_changed:
+            return False
+        if trains_on and _is_key_in(key, LAYOUT_KEYS):
+            return False
+        raised = key == "train.steps" and isinstance(old, int) and new > old
+        return not raised
+
+    differences = [
+        f"{key} {_show(saved.get(key, _ABSENT))} → {_show(now.get(key, _ABSENT))}"
+        for key in sorted(saved.keys() | now.keys())
+        if counts(key)
+    ]
+    if not differences:
+        return
+    run_dir = start.path.parent
+    shown = "; ".join(differences[:6])
+    more = f"; and {len(differences) - 6} more" if len(differences) > 6 else ""
+    finished = " (finished)" if start.step >= saved.get("train.steps", start.step) else ""
+    raise CheckpointError(
+        f"run {cfg.name!r} already has a checkpoint at step {start.step}{finished} in "
+        f"{run_dir}, from another spec: {shown}{more}; to train this spec start a new run "
+        f"with --set name=NEW (add --resume-from {run_dir} to start it from this run's "
+        "checkpoint on purpose), or rerun with the old values"
+    )
+
+
+_ABSENT = object()
+
+
+def _show(value: object) -> str:
+    return "absent" if value is _ABSENT else show(value)
+
+
+def _flat_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """`spec` as dotted keys to JSON values, with defaults filled in by this trainstack's
+    spec (a spec it cannot read, from another version, is compared as written)."""
+    plain = json.loads(json.dumps(spec))  # as a manifest holds it: lists, string keys
+    with contextlib.suppress(ConfigError):
+        plain = json.loads(json.dumps(config_to_dict(config_from_dict(plain))))
+    flat: dict[str, Any] = {}
+
+    def walk(node: dict[str, Any], prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict) and value:
+                walk(value, f"{prefix}{key}.")
+            else:
+                flat[f"{prefix}{key}"] = value
+
+    walk(plain, "")
+    return flat
+
+
+def _is_key_in(key: str, entries: tuple[str, ...]) -> bool:
+    return any(key == e or (e.endswith(".") and key.startswith(e)) for e in entries)
+
+
 def parameter_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
     """The model's state-dict names and shapes: what a checkpoint must match to load."""
     return {name: list(t.shape) for name, t in model.state_dict().items()}
@@ -256,9 +358,29 @@ def latest_valid(run_dir: Path, *, warn: Callable[[str], None]) -> tuple[Checkpo
 
 
 def prune(run_dir: Path, *, keep: int) -> None:
-    """Delete all but the newest `keep` checkpoints (never the newest valid one)."""
-    for path in list_checkpoints(run_dir)[keep:]:
-        shutil.rmtree(path, ignore_errors=True)
+    """Keep the newest `keep` checkpoints that verify and delete the rest, so the newest
+    valid one is never deleted (nor anything, when none verifies).
+
+    A checkpoint newer than the newest valid one that does not verify is left alone: it
+    may still be being written (under Ray Train every rank uploads its own files, and
+    rank 0, which prunes, can finish first); `find_start` skips it while it is
+    incomplete. One that does not verify and is older than a valid one is a cut-off
+    save, and goes.
+    """
+    kept = 0
+    for path in list_checkpoints(run_dir):
+        if kept < keep and _verifies(path):
+            kept += 1
+        elif kept > 0:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _verifies(path: Path) -> bool:
+    try:
+        verify(path)
+    except CheckpointError:
+        return False
+    return True
 
 
 def rng_state() -> dict[str, Any]:
@@ -333,6 +455,27 @@ def find_start(
     if resume_from is None:
         return None
     return resolve(resume_from, warn=warn)
+
+
+def checked_start(
+    cfg: JobConfig,
+    *,
+    resume_from: Path | None,
+    shapes: dict[str, list[int]],
+    data_fingerprint: str,
+) -> Checkpoint | None:
+    """Where `cfg`'s run starts (`find_start`), checked before anything starts: the same
+    model (`shapes`), the same data (`data_fingerprint`) and, for the run's own
+    checkpoint, the same run (`check_same_run`). Raises CheckpointError."""
+    run_dir = run_dir_for(cfg)
+    start = find_start(run_dir, resume_from=resume_from, on_corrupt=cfg.checkpoint.on_corrupt)
+    if start is None:
+        return None
+    check_same_model(start, shapes)
+    check_same_data(start, data_fingerprint, allow=cfg.data.allow_changed)
+    if start.path.parent == run_dir:  # not --resume-from: that starts another run on purpose
+        check_same_run(start, cfg)
+    return start
 
 
 def resolve(path: Path, *, warn: Callable[[str], None] = warn) -> Checkpoint:

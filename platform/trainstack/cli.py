@@ -35,7 +35,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, config_flag: bool) -> 
         "--resume-from",
         default=None,
         help="start from this checkpoint (or a run directory's newest valid one) when the "
-        "run has no checkpoint of its own yet",
+        "run has no checkpoint of its own yet (not with strategy.kind ps)",
     )
     parser.add_argument(
         "--progress", choices=PROGRESS_MODES, default=None, help="override log.progress"

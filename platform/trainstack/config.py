@@ -135,9 +135,11 @@ class DataConfig:
     shuffle: bool = True
     """Indexed sources: read each epoch in a permutation seeded by (`seed`, epoch)."""
     allow_changed: bool = False
-    """Resume even if the data's fingerprint differs from the checkpoint's."""
+    """Resume even if the data's fingerprint (or another `data` key) differs from the
+    checkpoint's."""
     vocab_size: int = 64
-    """Tokens in the vocabulary (2..65536); the model's vocabulary follows it."""
+    """Tokens in the vocabulary (2 to 2**22; markov: vocab_size**order at most 2**20); the
+    model's vocabulary follows it."""
     order: int = 1
     """Markov order: how many previous tokens the next one depends on (1..3)."""
     concentration: float = 0.1
@@ -264,6 +266,9 @@ class ScalingConfig:
     """One GPU per worker (NCCL) instead of CPU (gloo)."""
     cpus_per_worker: float = 1.0
     """CPUs reserved per worker (> 0); also its torch thread count, rounded down, min 1."""
+    start_timeout_s: float = 600.0
+    """On a cluster: seconds to wait for room for the workers before the run fails
+    (0: wait forever). A local Ray instance that can never hold them is refused at once."""
 
 
 @dataclass(kw_only=True)
@@ -271,7 +276,7 @@ class CheckpointConfig:
     every_steps: int = 0
     """Save a checkpoint every this many steps (0: only at the end)."""
     keep: int = 3
-    """Newest checkpoints kept (>= 1)."""
+    """Newest checkpoints that verify kept (>= 1); older ones are deleted."""
     storage_path: str = "runs"
     """Where runs keep checkpoints and results; relative paths are under the working dir."""
     on_corrupt: str = "fail"

@@ -2,10 +2,11 @@
 with a straggler, async converges with its staleness controls, and killed workers and
 shards are restarted without stopping the run."""
 
-import math
+import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from trainstack import checkpoint as ckpt
@@ -96,7 +97,9 @@ def test_async_learns_and_rejects_what_is_staler_than_the_bound(
     ps = summary["ps"]
     assert ps["rejected"] > 0
     assert ps["updates"] * ps["num_shards"] + ps["rejected"] == ps["pushes"]
-    assert summary["final_loss"] < math.log(16) - 0.5
+    # Measured: 1.21 (async: the figure varies run to run), against the floor's 1.14 and
+    # the untrained model's 2.69 (ln 16 = 2.77).
+    assert summary["final_loss"] < summary["entropy_floor"] + 0.6
 
 
 def test_killed_worker_and_shard_are_restarted_and_the_run_finishes(
@@ -126,7 +129,8 @@ def test_compressed_pushes_send_fewer_bytes_and_still_learn(
     raw["compression"] = {"kind": "topk", "ratio": 0.05, "min_numel": 256}
     summary = run_parameter_server(config_from_dict(raw))
     assert summary["ps"]["compression_ratio"] > 4
-    assert summary["final_loss"] < math.log(16) - 0.3
+    # Measured: 2.13, against the floor's 1.14 and the untrained model's 2.69.
+    assert summary["final_loss"] < summary["entropy_floor"] + 1.3
 
 
 def test_ps_job_through_run_job_is_tracked_in_mlflow(ray_cluster: None, tmp_path: Path) -> None:
@@ -142,5 +146,32 @@ def test_ps_job_through_run_job_is_tracked_in_mlflow(ray_cluster: None, tmp_path
     run = mlflow.MlflowClient(tracking_uri=uri).get_run(summary["mlflow_run_id"])
     assert run.info.status == "FINISHED"
     assert run.data.params["strategy.consistency"] == "ssp"
-    assert run.data.metrics["final/ps.staleness_max"] >= 0
+    # Both workers compute each clock from the same version, so the second push of a
+    # clock is one update stale (measured: max 1, mean 0.5); untracked, it would be 0.
+    staleness = summary["ps"]["staleness_max"]
+    assert staleness >= 1 and run.data.metrics["final/ps.staleness_max"] == staleness
     assert "loss" in run.data.metrics  # progress records logged while it ran
+
+
+def test_workers_that_find_no_room_end_the_run_after_start_timeout_s(
+    ray_cluster: None, tmp_path: Path
+) -> None:
+    import ray
+
+    from trainstack.ps.driver import WorkerFailedError
+
+    # The session's Ray instance has 4 CPUs: 8 one-CPU workers never fit.
+    raw = spec(tmp_path, workers=8)
+    raw["scaling"]["start_timeout_s"] = 1
+    with pytest.raises(WorkerFailedError) as failed:
+        run_parameter_server(config_from_dict(raw))
+    assert str(failed.value).startswith(
+        "the cluster did not make room for scaling.num_workers=8 (8 CPU) within "
+        "scaling.start_timeout_s=1 s;"
+    )
+    # the actors that did start are taken back: every CPU comes free again
+    total = ray.cluster_resources()["CPU"]
+    deadline = time.time() + 10
+    while ray.available_resources().get("CPU") != total and time.time() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU") == total

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import ray
 import torch
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from trainstack import checkpoint as ckpt
 from trainstack.config import JobConfig, config_to_dict
@@ -36,8 +36,8 @@ from trainstack.ps.clock import ActorNames, ClockBoard, bound_for
 from trainstack.ps.partition import ShardLayout, partition
 from trainstack.ps.shard import ParameterServerShard
 from trainstack.ps.worker import ParameterServerWorker
-from trainstack.runtime.local import DirectoryCheckpointStore
-from trainstack.runtime.loop import data_epoch
+from trainstack.runtime.capacity import start_timeout_message
+from trainstack.runtime.loop import DirectoryCheckpointStore, data_epoch
 from trainstack.runtime.progress import ProgressDisplay
 from trainstack.tasks import EvalSums, build_task, eval_mode, evaluate
 
@@ -129,7 +129,13 @@ def run_parameter_server(
             f"parameter server ({s.consistency}): {workers} workers, {s.num_shards} shards "
             f"({sizes} parameters)"
         )
-    ray.get([actor.__ray_ready__.remote() for actor in [*worker_actors, *shards]])
+    ready = [actor.__ray_ready__.remote() for actor in [*worker_actors, *shards]]
+    try:
+        ray.get(ready, timeout=cfg.scaling.start_timeout_s or None)
+    except GetTimeoutError:  # no room: take back the actors still waiting for it
+        for actor in [*worker_actors, *shards, board]:
+            ray.kill(actor)
+        raise WorkerFailedError(start_timeout_message(cfg)) from None
     deadline = time.time() + time_budget_s if time_budget_s is not None else None
 
     def held_out_now() -> float | None:

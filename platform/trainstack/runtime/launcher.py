@@ -1,4 +1,5 @@
-"""Runs a synchronous-strategy job on a Ray Train V2 worker group.
+"""Runs a job on Ray: a synchronous strategy on a Ray Train V2 worker group, and a
+`strategy.kind: ps` job on plain Ray actors (handed to `trainstack.ps.driver`).
 
 The driver connects to Ray (an address, else an embedded local instance), picks the
 checkpoint to start from, starts a `TorchTrainer` with one actor per worker, and
@@ -27,8 +28,15 @@ from ray.train.torch import TorchTrainer
 from ray.util.queue import Empty, Queue
 
 from trainstack import checkpoint as ckpt
-from trainstack.config import JobConfig, config_from_dict, config_to_dict
+from trainstack.config import ConfigError, JobConfig, config_from_dict, config_to_dict
 from trainstack.data.ray_source import ray_datasets, ray_ingest_config
+from trainstack.runtime.capacity import (
+    check_fits_this_machine,
+    cluster_wait_note,
+    is_start_timeout,
+    start_timeout_message,
+    worker_group_start_timeout,
+)
 from trainstack.runtime.loop import train
 from trainstack.runtime.preflight import preflight
 from trainstack.runtime.progress import ProgressDisplay
@@ -52,6 +60,14 @@ def connect(address: str | None, *, log_to_driver: bool = True) -> bool:
     # "local": a new instance even when a `ray start` cluster runs on this machine.
     ray.init(address="local", log_to_driver=log_to_driver)
     return True
+
+
+def ray_target(address: str | None) -> str | None:
+    """What `connect(address)` will do: `local` (start an embedded instance on this
+    machine), `cluster` (join one), or None (Ray is already running in this process)."""
+    if ray.is_initialized():
+        return None
+    return "cluster" if address or os.environ.get("RAY_ADDRESS") else "local"
 
 
 class RayCheckpointStore:
@@ -138,8 +154,12 @@ class RunFollower:
     telemetry: RunTelemetry | None = None
     starts: list[dict[str, Any]] = field(default_factory=list)
     faults: list[dict[str, Any]] = field(default_factory=list)
+    """Injected kills, each with the `attempt` (index into `starts`) it ended."""
     failures: list[dict[str, Any]] = field(default_factory=list)
+    """Failures the controller saw, each with its `attempt` and `after_step`."""
     last_step: int = 0
+    """The newest step the current attempt is known to have finished: its last logged
+    step, its first step, or the step it resumed from."""
 
     def handle(self, record: dict[str, Any]) -> None:
         if self.on_record is not None:
@@ -152,6 +172,7 @@ class RunFollower:
                 self.display.update({**record, "restarts": self.restarts})
         elif event == "start":
             self.starts.append(record)
+            self.last_step = record["resumed_from_step"]
             if self.restarts and self.telemetry is not None:
                 self.telemetry.record_restart("worker_group")
             if self.display is not None:
@@ -164,10 +185,12 @@ class RunFollower:
                     self.display.note(f"resuming from step {record['resumed_from_step']}")
                 for note in record.get("notes", []):
                     self.display.note(note)
+        elif event == "first_step":
+            self.last_step = record["step"]
         elif event == "fault":
-            self.faults.append(record)
+            self.faults.append({**record, "attempt": self.attempt})
         elif event == "failure":
-            self.failures.append({**record, "after_step": self.last_step})
+            self.failures.append({**record, "attempt": self.attempt, "after_step": self.last_step})
             if self.display is not None:
                 self.display.note(f"worker {record['rank']} failed: {record['error']}")
 
@@ -175,20 +198,43 @@ class RunFollower:
     def restarts(self) -> int:
         return max(0, len(self.starts) - 1)
 
+    @property
+    def attempt(self) -> int:
+        """Index of the worker group now running (0 before the first start)."""
+        return max(0, len(self.starts) - 1)
+
     def recovery(self) -> list[dict[str, Any]]:
-        """Per restart: the step it resumed from and the steps of work it lost."""
+        """Per restart: the step it resumed from, the last step finished before the
+        failure, and the steps of work lost (None when no failure was seen).
+
+        After an injected kill (`faults`) the failed step is known exactly; after any
+        other failure (a process killed from outside, out of memory) it is the last
+        step the driver heard of before the controller reported the failure (a log
+        step, the attempt's first step, or the step it resumed from), so `steps_lost`
+        is short by less than `log.every_steps` at most.
+        """
         out = []
-        for i, start in enumerate(self.starts[1:]):
-            failed_at = self.faults[i]["step"] - 1 if i < len(self.faults) else None
+        for attempt, start in enumerate(self.starts[1:]):
+            failed_at = self._failed_after(attempt)
             resumed = start["resumed_from_step"]
             out.append(
                 {
                     "resumed_from_step": resumed,
                     "failed_after_step": failed_at,
-                    "steps_lost": None if failed_at is None else failed_at - resumed,
+                    "steps_lost": None if failed_at is None else max(0, failed_at - resumed),
                 }
             )
         return out
+
+    def _failed_after(self, attempt: int) -> int | None:
+        """The last step worker group `attempt` finished before it failed."""
+        for fault in self.faults:
+            if fault["attempt"] == attempt:
+                return int(fault["step"]) - 1
+        for failure in self.failures:
+            if failure["attempt"] == attempt:
+                return int(failure["after_step"])
+        return None
 
 
 def run_job(
@@ -206,17 +252,31 @@ def run_job(
     `tracking_tags` go on a new MLflow run (a sweep's trials name their parent run).
 
     Raises ConfigError before anything starts when pre-flight finds the job cannot run
-    (runtime/preflight.py), CheckpointError when the checkpoints to resume from do not
-    verify or hold another model, and RunFailedError when the worker group fails for good.
+    (runtime/preflight.py), the local Ray instance it would start could never hold it
+    (runtime/capacity.py), or a `ps` job is given `resume_from`, CheckpointError when
+    the checkpoints to resume from do not verify, hold another model or data, or are the
+    run's own from another spec (`checkpoint.checked_start`), and RunFailedError when the
+    worker group fails for good or finds no room within `scaling.start_timeout_s`.
     """
     wall_start = time.perf_counter()
+    if resume_from is not None and cfg.strategy.kind == "ps":
+        raise ConfigError(
+            f"--resume-from {resume_from}: strategy.kind=ps cannot start from a checkpoint "
+            "(its shards start from the seed); drop --resume-from, or start from that "
+            "checkpoint with strategy.kind ddp, zero or pipeline"
+        )
+    target = ray_target(address)
+    if target == "local":  # the workers can only ever have this machine
+        check_fits_this_machine(cfg)
     report = preflight(cfg)
     cfg = report.cfg
     run_dir = ckpt.run_dir_for(cfg)
-    start = ckpt.find_start(run_dir, resume_from=resume_from, on_corrupt=cfg.checkpoint.on_corrupt)
-    if start is not None:
-        ckpt.check_same_model(start, report.shapes)
-        ckpt.check_same_data(start, report.data_fingerprint, allow=cfg.data.allow_changed)
+    start = ckpt.checked_start(
+        cfg,
+        resume_from=resume_from,
+        shapes=report.shapes,
+        data_fingerprint=report.data_fingerprint,
+    )
     if start is not None and start.step >= cfg.train.steps:
         summary = dict(start.manifest["metrics"])
         summary.update(
@@ -225,6 +285,9 @@ def run_job(
         return summary
 
     started_local = connect(address)
+    waiting = cluster_wait_note(cfg, ray.available_resources()) if target == "cluster" else None
+    if waiting is not None and display is not None:
+        display.note(waiting)
     # data.kind: ray: the driver builds the datasets Ray Train splits among the workers
     datasets = ray_datasets(cfg) if cfg.data.kind == "ray" else None
     tracker = start_tracking(cfg, run_dir=run_dir, tags=tracking_tags)
@@ -260,7 +323,7 @@ def run_job(
         run_config=ray.train.RunConfig(
             name=cfg.name,
             storage_path=str(run_dir.parent),
-            failure_config=ray.train.FailureConfig(max_failures=cfg.failure.max_failures),
+            failure_config=_failure_config(cfg),
             callbacks=[FailureWatch(events)],  # type: ignore[list-item]
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # type: ignore[call-arg]
             worker_runtime_env={"env_vars": worker_env(cfg)},
@@ -270,7 +333,8 @@ def run_job(
 
     def fit() -> None:
         try:
-            outcome["result"] = trainer.fit()
+            with worker_group_start_timeout(cfg.scaling.start_timeout_s):
+                outcome["result"] = trainer.fit()
         except Exception as err:  # surfaced on the driver's thread below
             outcome["error"] = err
 
@@ -290,6 +354,8 @@ def run_job(
     error = outcome.get("error") or outcome["result"].error
     if error is not None:
         tracker.finish({"failures": len(follower.failures)}, failed=True)
+        if is_start_timeout(error):
+            raise RunFailedError(start_timeout_message(cfg))
         raise RunFailedError(_failure_summary(follower, error))
     result = outcome["result"]
     summary = dict(result.metrics or {})
@@ -304,6 +370,15 @@ def run_job(
     )
     tracker.finish(summary, failed=False)
     return summary
+
+
+def _failure_config(cfg: JobConfig) -> ray.train.FailureConfig:
+    """Worker-group restarts per `failure.max_failures`; a worker group that finds no
+    room within `scaling.start_timeout_s` ends the run (the controller gets no retries)."""
+    no_retry = 0 if cfg.scaling.start_timeout_s else -1
+    return ray.train.FailureConfig(  # type: ignore[call-arg]  # Train V2's, typed as AIR's
+        max_failures=cfg.failure.max_failures, controller_failure_limit=no_retry
+    )
 
 
 def _run_parameter_server(
@@ -343,7 +418,7 @@ def _failure_summary(follower: RunFollower, error: BaseException) -> str:
     last = failures[-1]["error"] if failures else str(error).strip().splitlines()[-1]
     return (
         f"training failed after {len(failures)} worker failure(s) "
-        f"(last logged steps before each: {steps}); last error: {last}"
+        f"(last steps known finished before each: {steps}); last error: {last}"
     )
 
 

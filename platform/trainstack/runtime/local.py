@@ -1,17 +1,16 @@
 """Runs the training loop in N local processes over gloo, without Ray.
 
-This is the `tests/dist/` layer's harness: it shows a strategy's math with real
-collectives and none of Ray's start-up cost. Checkpoints go to `storage/name` as
-under Ray; rank 0 also leaves the final weights, the summary and the run's events in
-`out_dir` (`model.pt`, `summary.json`, `events.jsonl`).
+The harness of the `tests/dist/` layer and of `benchmarks/` (no `trainstack` command
+runs through it): it shows a strategy's math with real collectives and none of Ray's
+start-up cost. Checkpoints go to `storage/name` as under Ray; rank 0 also leaves the
+final weights, the summary and the run's events in `out_dir` (`model.pt`,
+`summary.json`, `events.jsonl`).
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing
-import os
-import shutil
 import socket
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ import torch.multiprocessing as mp
 
 from trainstack import checkpoint as ckpt
 from trainstack.config import JobConfig, config_from_dict, config_to_dict
-from trainstack.runtime.loop import train
+from trainstack.runtime.loop import DirectoryCheckpointStore, train
 from trainstack.runtime.preflight import preflight
 from trainstack.strategies import WorkerContext
 
@@ -31,28 +30,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-class DirectoryCheckpointStore:
-    """Ranks copy their staged files into `.partial-<name>`; rank 0 renames it into place."""
-
-    def __init__(self, run_dir: Path, *, rank: int, distributed: bool) -> None:
-        self.run_dir = run_dir
-        self.rank = rank
-        self.distributed = distributed
-
-    def commit(self, staging: Path, *, name: str, metrics: dict[str, Any]) -> None:
-        partial = self.run_dir / f".partial-{name}"
-        shutil.copytree(staging, partial, dirs_exist_ok=True)
-        if self.distributed:
-            dist.barrier()
-        if self.rank == 0:
-            final = self.run_dir / name
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(partial, final)
-        if self.distributed:
-            dist.barrier()
 
 
 def run_processes(
@@ -65,12 +42,12 @@ def run_processes(
     out_dir.mkdir(parents=True, exist_ok=True)
     report = preflight(cfg)
     cfg = report.cfg
-    start = ckpt.find_start(
-        ckpt.run_dir_for(cfg), resume_from=resume_from, on_corrupt=cfg.checkpoint.on_corrupt
+    ckpt.checked_start(
+        cfg,
+        resume_from=resume_from,
+        shapes=report.shapes,
+        data_fingerprint=report.data_fingerprint,
     )
-    if start is not None:
-        ckpt.check_same_model(start, report.shapes)
-        ckpt.check_same_data(start, report.data_fingerprint, allow=cfg.data.allow_changed)
     args = (config_to_dict(cfg), world_size, free_port(), str(out_dir), resume_from)
     if world_size == 1 and not cfg.faults.kill_at_steps and not cfg.faults.random_kills:
         _worker(0, *args)  # in-process: no start-up cost for single-process references

@@ -1,0 +1,120 @@
+"""The driver without Ray: what it makes of a run's events, and what `trainstack run`
+refuses before Ray starts."""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+from trainstack import checkpoint as ckpt
+from trainstack.cli import main as cli_main
+from trainstack.config import config_from_dict, config_to_dict
+from trainstack.runtime.launcher import RunFollower
+from trainstack.tracking import NullTracker
+
+
+def follow(*events: dict[str, Any]) -> list[dict[str, Any]]:
+    follower = RunFollower(display=None, tracker=NullTracker())
+    for event in events:
+        follower.handle(event)
+    return follower.recovery()
+
+
+def start(resumed: int) -> dict[str, Any]:
+    return {"event": "start", "resumed_from_step": resumed, "notes": []}
+
+
+def logged(*steps: int) -> list[dict[str, Any]]:
+    return [{"step": step, "loss": 1.0} for step in steps]
+
+
+FAILURE = {"event": "failure", "rank": 1, "error": "ActorDiedError: killed", "time": 0.0}
+
+
+def test_steps_lost_after_a_crash_nobody_injected_come_from_the_last_logged_step() -> None:
+    # Checkpoints every 4 steps, logs every 2: the group died after logging step 6.
+    recovery = follow(start(0), *logged(2, 4, 6), FAILURE, start(4), *logged(6, 8))
+    assert recovery == [{"resumed_from_step": 4, "failed_after_step": 6, "steps_lost": 2}]
+
+
+def test_each_restart_is_matched_with_its_own_failure() -> None:
+    recovery = follow(
+        start(0),
+        *logged(2, 4, 6),
+        FAILURE,  # a process killed from outside
+        start(4),
+        {"event": "first_step", "step": 5, "time": 0.0},
+        FAILURE,  # before the restarted group logged anything: it had finished step 5
+        start(4),
+        FAILURE,  # before this group finished a step
+        start(4),
+        *logged(6, 8),
+        {"event": "fault", "step": 10, "rank": 1, "time": 0.0},  # injected: exact
+        FAILURE,
+        start(8),
+        *logged(10, 12),
+    )
+    assert recovery == [
+        {"resumed_from_step": 4, "failed_after_step": 6, "steps_lost": 2},
+        {"resumed_from_step": 4, "failed_after_step": 5, "steps_lost": 1},
+        {"resumed_from_step": 4, "failed_after_step": 4, "steps_lost": 0},
+        {"resumed_from_step": 8, "failed_after_step": 9, "steps_lost": 1},
+    ]
+
+
+def spec(storage: Path, **strategy: Any) -> dict[str, Any]:
+    clip = {"grad_clip": 0.0} if strategy.get("kind") == "ps" else {}
+    return {
+        "name": "demo",
+        "model": {"kind": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 8},
+        "data": {"vocab_size": 16, "eval_samples": 8},
+        "train": {"steps": 10, "global_batch_size": 16, "micro_batch_size": 8},
+        "optim": {"warmup_steps": 2, **clip},
+        "strategy": strategy,
+        "checkpoint": {"storage_path": str(storage)},
+        "log": {"progress": "quiet"},
+    }
+
+
+def run_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], raw: dict[str, Any], *args: str
+) -> tuple[int, list[str]]:
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(json.dumps(raw))  # JSON is YAML
+    code = cli_main(["run", str(spec_file), *args])
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def finished_run(raw: dict[str, Any]) -> Path:
+    """A finished run's checkpoint (a manifest, no files) written under spec `raw`."""
+    final = ckpt.run_dir_for(config_from_dict(raw)) / ckpt.dir_name(10)
+    final.mkdir(parents=True)
+    manifest = {"format": 1, "step": 10, "samples_seen": 160, "files": {}, "metrics": {}}
+    ckpt.write_manifest(final, {**manifest, "spec": config_to_dict(config_from_dict(raw))})
+    return final
+
+
+def test_rerun_of_a_finished_run_with_another_strategy_exits_2_before_ray_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    raw = spec(tmp_path / "runs")
+    finished_run(raw)
+    code, errors = run_cli(tmp_path, capsys, raw, "--set", "strategy.kind=zero")
+    assert code == 2 and len(errors) == 1
+    assert "run 'demo' already has a checkpoint at step 10 (finished)" in errors[0]
+    assert "strategy.kind 'ddp' → 'zero'" in errors[0]
+    assert not ray.is_initialized()
+
+
+def test_resume_from_with_the_parameter_server_exits_2_before_ray_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = finished_run(spec(tmp_path / "source"))
+    raw = spec(tmp_path / "runs", kind="ps", num_shards=2)
+    code, errors = run_cli(tmp_path, capsys, raw, "--resume-from", str(source))
+    assert code == 2 and len(errors) == 1
+    assert "strategy.kind=ps cannot start from a checkpoint" in errors[0]
+    assert not ray.is_initialized()
+    assert not (tmp_path / "runs").exists()
