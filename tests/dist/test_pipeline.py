@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.multiprocessing import ProcessExitedException
 
 from trainstack import checkpoint as ckpt
 from trainstack.cli import main as cli_main
@@ -156,8 +157,8 @@ def test_killed_pipeline_resumes_bitwise_identically(tmp_path: Path) -> None:
     raw = pipeline(tmp_path / "once" / "runs", schedule="1f1b", p=2, steps=12)
     train(raw, tmp_path / "once")
     killed = pipeline(tmp_path / "kill" / "runs", schedule="1f1b", p=2, steps=12, kill=8)
-    with pytest.raises(Exception):  # noqa: B017 - the killed process's exit surfaces as any error
-        train(killed, tmp_path / "kill")
+    with pytest.raises(ProcessExitedException, match="process 1 terminated with exit code 17"):
+        train(killed, tmp_path / "kill")  # 17: the fault injector's exit
     summary = train(killed, tmp_path / "kill")
     assert summary["resumed_from_step"] == 5
     once, resumed = weights(tmp_path / "once"), weights(tmp_path / "kill")

@@ -3,6 +3,7 @@ cluster on 127.0.0.1 (one cluster for the module)."""
 
 import csv
 import json
+import math
 import secrets
 import shutil
 from collections.abc import Iterator
@@ -87,7 +88,10 @@ def test_job_submit_trains_demo_on_head_node(
     assert "step 30/30" in proc.stdout
     summary = json.loads(summary_path.read_text())
     assert summary["steps"] == 30 and summary["world_size"] == 2
-    assert summary["final_loss"] < summary["entropy_floor"] * 2
+    # Thirty steps only start down from uniform guessing (ln 32 = 3.466; the untrained
+    # model scores 3.489 and the floor is 2.228). Measured for this spec and world size,
+    # by `trainstack run` on Ray and on gloo processes alike: 3.428.
+    assert summary["final_loss"] < math.log(32) - 0.02
 
 
 def test_job_submit_runs_a_sweep_whose_failed_trial_is_retried(

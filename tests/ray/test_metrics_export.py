@@ -10,7 +10,6 @@ The end-to-end test runs its jobs in a child process with a Ray instance of its 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import subprocess
@@ -207,11 +206,17 @@ def test_ddp_and_ps_jobs_export_live_metrics_to_prometheus(tmp_path: Path) -> No
             child.kill()
     summaries = json.loads(summaries_path.read_text())
     assert summaries["ddp"]["steps"] == 40 and summaries["ps"]["steps"] == PS_STEPS
+    # The untrained model's loss is 2.72 (ln 16 = 2.77); trained, the gauges read (measured)
+    # 1.24 (DDP, its last step) and 1.29 and 1.42 (ps), against the floor's 1.14. Below
+    # floor + 0.8 the gauge shows a trained model, even if the last scrape was a few
+    # steps before the end (DDP's step 10 already logs 1.84).
+    learned = summaries["ddp"]["entropy_floor"] + 0.8
+    assert summaries["ddp"]["final_loss"] < summaries["ddp"]["entropy_floor"] + 0.3
 
     # DDP on Ray Train: both ranks report the group's loss and their share of throughput.
     loss = values(samples, "ray_trainstack_loss", **ddp)
     assert set(loss) == {"0", "1"}
-    assert all(0 < v < math.log(VOCAB) + 1 for v in loss.values())
+    assert all(0 < v < learned for v in loss.values()), loss
     tokens = values(samples, "ray_trainstack_tokens_per_second", **ddp)
     step_s = values(samples, "ray_trainstack_step_time_seconds", **ddp)
     for rank in ("0", "1"):
@@ -229,7 +234,7 @@ def test_ddp_and_ps_jobs_export_live_metrics_to_prometheus(tmp_path: Path) -> No
     # The parameter server: its workers' steps, its shards' pushes, and the restart.
     ps_loss = values(samples, "ray_trainstack_loss", **ps)
     assert set(ps_loss) == {"0", "1"}
-    assert all(0 < v < math.log(VOCAB) + 1 for v in ps_loss.values())
+    assert all(0 < v < learned for v in ps_loss.values()), ps_loss
     comm = values(samples, "ray_trainstack_comm_exposed_ratio", **ps)
     assert all(0 < v <= 1 for v in comm.values())
     assert values(samples, "ray_trainstack_ps_updates_per_second", **ps)["0"] > 0

@@ -1,7 +1,6 @@
 """Pipeline × data parallel on Ray Train: a killed stage worker is replaced and the run
 finishes from its last checkpoint."""
 
-import math
 from pathlib import Path
 
 import pytest
@@ -40,5 +39,7 @@ def test_pipeline_times_data_parallel_recovers_from_a_killed_stage(
     assert summary["recovery"] == [
         {"resumed_from_step": 4, "failed_after_step": 6, "steps_lost": 2}
     ]
-    assert summary["final_loss"] < math.log(16) - 0.3  # learned: uniform guessing is ln V
+    # Measured: 2.19 for this spec uninterrupted on gloo processes (a resume is bitwise),
+    # against the floor's 1.14, the untrained model's 2.73 and ln 16 = 2.77.
+    assert summary["final_loss"] < summary["entropy_floor"] + 1.25
     assert len(summary["pipeline"]["bubble_fraction_per_rank"]) == 2

@@ -1,6 +1,13 @@
-"""Resuming on Ray: --resume-from another run, a rerun of a finished run, a tracking outage."""
+"""Resuming on Ray: `trainstack run --resume-from` another run (on a cluster named by
+--address), a rerun of a finished run, a tracking outage."""
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import ray
 
 from trainstack import checkpoint as ckpt
 from trainstack.config import config_from_dict
@@ -35,9 +42,30 @@ def test_resume_from_another_run_and_rerun_of_a_finished_run(
     assert again["already_complete"] is True
     assert again["final_loss"] == done["final_loss"]
 
-    second = config_from_dict(spec(tmp_path, name="second", steps=20))
-    resumed = run_job(second, resume_from=ckpt.run_dir_for(first))
+    # `trainstack run` as a user starts it against a running cluster: this session's,
+    # by its address (a second driver; it leaves the cluster up).
+    job, summary_json = tmp_path / "second.yaml", tmp_path / "second.json"
+    job.write_text(json.dumps(spec(tmp_path, name="second", steps=20)))  # JSON is YAML
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    address = ray.get_runtime_context().gcs_address
+    proc = subprocess.run(
+        [
+            *(str(Path(sys.executable).parent / "trainstack"), "run", str(job)),
+            *("--address", address, "--resume-from", str(ckpt.run_dir_for(first))),
+            *("--summary-json", str(summary_json), "--progress", "quiet"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    resumed = json.loads(summary_json.read_text())
     assert resumed["resumed_from_step"] == 10 and resumed["steps"] == 20
+    # Ray 2.60's words for joining a cluster (a local instance would be "Started ...").
+    assert f"Connecting to existing Ray cluster at address: {address}" in proc.stderr
+    assert "Started a local Ray instance" not in proc.stderr
     final = ckpt.verify(Path(resumed["final_checkpoint"]))
     assert final.samples_seen == 20 * 16
 
