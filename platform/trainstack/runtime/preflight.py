@@ -12,6 +12,7 @@ shards). Every problem is a `ConfigError`: one line, exit 2, nothing started.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from dataclasses import dataclass
@@ -89,10 +90,8 @@ def check_storage(cfg: JobConfig) -> None:
             ) from None
         finally:
             for path in created:  # deepest first
-                try:
+                with contextlib.suppress(OSError):
                     path.rmdir()
-                except OSError:
-                    pass
 
 
 def check_data(cfg: JobConfig) -> Source:
