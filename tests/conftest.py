@@ -9,6 +9,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")
 
 if EXAMPLES not in sys.path:
@@ -16,3 +18,17 @@ if EXAMPLES not in sys.path:
 _paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 if EXAMPLES not in _paths:
     os.environ["PYTHONPATH"] = os.pathsep.join([EXAMPLES, *_paths])
+
+
+@pytest.fixture
+def refuse_ray_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For checks that must refuse before Ray starts: starting Ray fails the test, and a
+    Ray instance another test module left running in this process is not seen (so the
+    code under test takes the path of a fresh `trainstack run`)."""
+    import ray
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("ray.init was called: the check did not refuse before Ray started")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", refuse)

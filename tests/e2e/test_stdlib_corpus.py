@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from trainstack import checkpoint as ckpt
+
 from user_shell import BIN, run
 
 STEPS = 4000
@@ -47,6 +49,10 @@ def test_stdlib_gpt_beats_gzip_on_held_out_bytes(tmp_path: Path) -> None:
     assert summary["steps"] == STEPS and summary["world_size"] == 2
     assert summary["strategy"] == "ddp" and summary["mfu"] is None  # no peak FLOPs on CPU
     assert f"step {STEPS}/{STEPS}" in proc.stdout
+    # The file holds this run's summary: the one it printed, ending at its last checkpoint.
+    assert f"{summary['final_loss']:.4f} (held-out)" in proc.stdout
+    final = ckpt.verify(Path(summary["final_checkpoint"]))
+    assert final.step == STEPS and final.path.is_relative_to(tmp_path / "runs")
     line = next(row for row in proc.stdout.splitlines() if "bits/byte" in row)
     assert "(held-out)  gzip -9 " in line and "  xz -9 " in line
     prepared = tmp_path / "runs" / "prepared"

@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
 
 from trainstack import checkpoint as ckpt
 from trainstack.cli import main as cli_main
@@ -97,7 +96,7 @@ def finished_run(raw: dict[str, Any]) -> Path:
 
 
 def test_rerun_of_a_finished_run_with_another_strategy_exits_2_before_ray_starts(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], refuse_ray_start: None
 ) -> None:
     raw = spec(tmp_path / "runs")
     finished_run(raw)
@@ -105,16 +104,14 @@ def test_rerun_of_a_finished_run_with_another_strategy_exits_2_before_ray_starts
     assert code == 2 and len(errors) == 1
     assert "run 'demo' already has a checkpoint at step 10 (finished)" in errors[0]
     assert "strategy.kind 'ddp' → 'zero'" in errors[0]
-    assert not ray.is_initialized()
 
 
 def test_resume_from_with_the_parameter_server_exits_2_before_ray_starts(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], refuse_ray_start: None
 ) -> None:
     source = finished_run(spec(tmp_path / "source"))
     raw = spec(tmp_path / "runs", kind="ps", num_shards=2)
     code, errors = run_cli(tmp_path, capsys, raw, "--resume-from", str(source))
     assert code == 2 and len(errors) == 1
     assert "strategy.kind=ps cannot start from a checkpoint" in errors[0]
-    assert not ray.is_initialized()
     assert not (tmp_path / "runs").exists()
