@@ -22,11 +22,11 @@ import gzip
 import json
 import lzma
 import math
-import os
 from pathlib import Path
 
 import numpy as np
 
+from trainstack.checkpoint import write_text_atomically
 from trainstack.config import ConfigError, JobConfig
 from trainstack.data.text import load_tokenizer, prepared_path, split_files, text_corpus
 
@@ -70,9 +70,7 @@ def reference_bits_per_byte(cfg: JobConfig) -> dict[str, float]:
         return cached
     data, tokens = held_out_eval_bytes(cfg)
     refs = {"eval_bytes": len(data), "eval_tokens": tokens, **compressed_bits_per_byte(data)}
-    temp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
-    temp.write_text(json.dumps(refs, indent=2, sort_keys=True) + "\n")
-    temp.replace(cache)
+    write_text_atomically(cache, json.dumps(refs, indent=2, sort_keys=True) + "\n")
     return refs
 
 

@@ -43,6 +43,7 @@ from typing import Any, BinaryIO, TextIO
 
 import numpy as np
 
+from trainstack.checkpoint import write_text_atomically
 from trainstack.config import ConfigError, DataConfig, JobConfig
 from trainstack.data.file_progress import MB, ProgressBar
 from trainstack.data.text import (
@@ -60,8 +61,9 @@ from trainstack.data.text import (
 from trainstack.data.tokens import (
     HEADER_BYTES,
     HEADER_DTYPES,
-    HEADER_MAGIC,
     TokenFile,
+    file_digest,
+    header_bytes,
     write_token_file,
 )
 
@@ -149,7 +151,7 @@ def prepare(cfg: DataConfig, *, progress: TextIO | None = None) -> Prepared:
                 resumed = build.run(fingerprint, bar.phase("tokenizing"))
     finally:
         bar.close()
-    _write_atomically(
+    write_text_atomically(
         root / INPUTS_DIR / f"{stat_key(cfg)[:16]}.json",
         json.dumps({"directory": final.name, "fingerprint": fingerprint}) + "\n",
     )
@@ -167,15 +169,11 @@ def hash_inputs(inputs: list[tuple[str, str]], *, bar: ProgressBar) -> list[Inpu
 
     def one(entry: tuple[str, str]) -> InputFile:
         split, path = entry
-        digest, size = hashlib.sha256(), 0
         try:
-            with open(path, "rb") as f:
-                while chunk := f.read(2**22):
-                    digest.update(chunk)
-                    size += len(chunk)
+            size, sha256 = os.stat(path).st_size, file_digest(path)
         except OSError as e:
             raise ConfigError(f"data.{split}: cannot read {path}: {e.strerror}") from None
-        return InputFile(split=split, path=path, size=size, sha256=digest.hexdigest())
+        return InputFile(split=split, path=path, size=size, sha256=sha256)
 
     hashed = []
     with ThreadPoolExecutor(max_workers=_cpus()) as pool:
@@ -190,7 +188,7 @@ def input_fingerprint(inputs: list[InputFile], tokenizer: TextTokenizer) -> str:
     and content hash."""
     listing = {
         "format": FORMAT_VERSION,
-        "tokenizer": "bytes" if tokenizer.is_bytes else _file_sha256(tokenizer.spec),
+        "tokenizer": "bytes" if tokenizer.is_bytes else file_digest(tokenizer.spec),
         "files": [[f.split, f.path, f.size, f.sha256] for f in inputs],
     }
     return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
@@ -229,7 +227,7 @@ class _Build:
             "fingerprint": fingerprint,
             "tokenizer": {
                 "name": self.tokenizer.name,
-                "sha256": None if self.tokenizer.is_bytes else _file_sha256(self.tokenizer.spec),
+                "sha256": None if self.tokenizer.is_bytes else file_digest(self.tokenizer.spec),
                 "vocab_size": self.tokenizer.vocab_size,
             },
             "token_file": {"version": _version(self.tokenizer), "dtype": self.dtype.name},
@@ -319,10 +317,8 @@ def _finish(out: BinaryIO, *, version: int, count: int, split: str) -> None:
             f"data: the {split} split has {count:,} tokens, more than the 2**31 - 1 an "
             "llm.c token file holds; prepare fewer files per job"
         )
-    header = np.zeros(HEADER_BYTES // 4, dtype="<i4")
-    header[:3] = (HEADER_MAGIC, version, count)
     out.seek(0)
-    out.write(header.tobytes())
+    out.write(header_bytes(version=version, count=count))
     out.flush()
     os.fsync(out.fileno())
 
@@ -365,17 +361,6 @@ def _refuse_data_directory(root: Path, paths: list[str]) -> None:
                 f"data.prepared_dir={root} holds the input file {path}: prepared files "
                 "never go among your data; set data.prepared_dir to another directory"
             )
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temp.write_text(text)
-    temp.replace(path)
-
-
-def _file_sha256(path: str) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _total_size(inputs: list[tuple[str, str]]) -> int:
