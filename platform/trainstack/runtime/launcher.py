@@ -50,21 +50,21 @@ class RunFailedError(RuntimeError):
 
 
 def connect(address: str | None, *, log_to_driver: bool = True) -> bool:
-    """Connect to Ray; return True when this call started an embedded local instance."""
-    if ray.is_initialized():
-        return False
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=log_to_driver)
-        return False
-    # "local": a new instance even when a `ray start` cluster runs on this machine.
-    ray.init(address="local", log_to_driver=log_to_driver)
-    return True
+    """Connect to Ray as `ray_target` says; return True when this call started an
+    embedded local instance."""
+    target = ray_target(address)
+    if target == "cluster":
+        ray.init(address=address or os.environ["RAY_ADDRESS"], log_to_driver=log_to_driver)
+    elif target == "local":
+        # "local": a new instance even when a `ray start` cluster runs on this machine.
+        ray.init(address="local", log_to_driver=log_to_driver)
+    return target == "local"
 
 
 def ray_target(address: str | None) -> str | None:
     """What `connect(address)` will do: `local` (start an embedded instance on this
-    machine), `cluster` (join one), or None (Ray is already running in this process)."""
+    machine), `cluster` (join `address`, else `$RAY_ADDRESS`), or None (Ray is already
+    running in this process)."""
     if ray.is_initialized():
         return None
     return "cluster" if address or os.environ.get("RAY_ADDRESS") else "local"
