@@ -1,6 +1,7 @@
 """Parameter-server pieces without Ray: the byte-balanced partition, the flat wire
 format, the bounded-staleness rule under random worker speeds, and spec checks."""
 
+import asyncio
 import math
 import random
 from typing import Any
@@ -11,7 +12,7 @@ import torch
 
 from trainstack.config import ConfigError, ModelConfig, config_from_dict
 from trainstack.models.gpt import GPT
-from trainstack.ps.clock import StalenessBound, bound_for
+from trainstack.ps.clock import ClockBoard, StalenessBound, bound_for
 from trainstack.ps.partition import partition
 
 
@@ -89,6 +90,31 @@ def test_finished_workers_do_not_hold_back_the_rest() -> None:
     assert rule.slowest() == 0 and rule.may_start(1)
     rule = StalenessBound(workers=2, bound=1, total_steps=3, clocks=[1, 3])
     assert rule.may_start(0)
+
+
+def test_bsp_turn_waits_for_the_others_even_before_the_workers_own_advance_runs() -> None:
+    """Ray may run an async actor's calls out of order: a worker's `wait_turn` for step 1
+    can reach the board before its `advance` for step 0. It must still wait until the
+    other worker has pushed step 0 (else it pulls parameters missing that push)."""
+
+    async def scenario() -> list[str]:
+        board = ClockBoard(workers=2, bound=bound_for("bsp", 0), total_steps=5)
+        events: list[str] = []
+
+        async def worker0() -> None:
+            await board.wait_turn(0, 1)  # its advance(0, 1) has not run yet
+            events.append("worker 0 starts step 1")
+
+        task = asyncio.create_task(worker0())
+        await asyncio.sleep(0.01)
+        events.append("worker 1 pushed step 0")
+        await board.advance(1, 1, loss=1.0, versions=[1])
+        await asyncio.wait_for(task, timeout=5)
+        await board.advance(0, 1, loss=1.0, versions=[1])  # the late advance changes nothing
+        assert board.rule.clocks == [1, 1]
+        return events
+
+    assert asyncio.run(scenario()) == ["worker 1 pushed step 0", "worker 0 starts step 1"]
 
 
 def ps_spec(**strategy: Any) -> dict[str, Any]:

@@ -94,11 +94,20 @@ class ClockBoard:
         self.shard_losses: list[dict[str, int]] = []
         self.worker_starts = [0] * workers
 
-    async def wait_turn(self, worker: int) -> int:
-        """Block while `worker` may not start its next step; return its clock gap then."""
+    async def wait_turn(self, worker: int, clock: int) -> int:
+        """Block while `worker` may not start step `clock` (having pushed `clock` steps);
+        return its clock gap then.
+
+        The clock comes with the call: an async actor need not run a caller's calls in the
+        order they were sent, so this must not rely on that worker's `advance` having run
+        first (else a bsp worker could pull parameters before the others' pushes of the
+        step it just finished had been applied)."""
         start = time.perf_counter()
         waited = False
         async with self.changed:
+            if clock > self.rule.clocks[worker]:
+                self.rule.advance(worker, clock)
+                self.changed.notify_all()
             while not self.rule.may_start(worker):
                 waited = True
                 await self.changed.wait()

@@ -103,7 +103,7 @@ class ParameterServerWorker:
             self.faults.before_step(self.clock + 1)
             if s.consistency != "async":
                 t = time.perf_counter()
-                ray.get(self.board.wait_turn.remote(self.index))
+                ray.get(self.board.wait_turn.remote(self.index, self.clock))
                 self.seconds["wait"] += time.perf_counter() - t
             if pulled_at is None or self.clock - pulled_at >= s.pull_every:
                 if not self.prefetched:
@@ -123,7 +123,7 @@ class ParameterServerWorker:
             versions = self._push(pull=pull_next)
             self.clock += 1
             self.steps_done += 1
-            # Ordered before this worker's next wait_turn: calls from one caller keep order.
+            # Losses and versions for the board; the next wait_turn carries the clock itself.
             self.board.advance.remote(self.index, self.clock, loss, versions)
             self.telemetry.record_push_step(
                 loss=loss,
