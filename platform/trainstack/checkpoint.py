@@ -12,19 +12,23 @@
 Every file is written to a temporary name and renamed; the manifest goes last and is
 the proof that a checkpoint is complete. Loading verifies every file's size and hash
 first and uses `torch.load(weights_only=True)`.
+
+Checkpoints live in a local folder (a `Path`) or in an object store (a
+`storage.StorePath`, `checkpoint.storage_path: s3://bucket/prefix`); every function
+here takes either, and verification reads sizes and hashes back from the store itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import random
 import re
-import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +40,17 @@ import torch.distributed as dist
 import trainstack
 from trainstack.config import ConfigError, JobConfig, config_from_dict, config_to_dict
 from trainstack.config_fields import show
+from trainstack.storage import (
+    Location,
+    StorePath,
+    child_dirs,
+    delete_tree,
+    is_store_uri,
+    local_storage,
+    open_binary,
+    open_location,
+    size_of,
+)
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -46,9 +61,14 @@ class CheckpointError(Exception):
     """A checkpoint that cannot be used; the message is one line naming the file."""
 
 
+class StorageUnreachableError(CheckpointError):
+    """The store holding the checkpoints did not answer: nothing can be said about them
+    (never taken for a corrupt checkpoint, which would be skipped or pruned)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Checkpoint:
-    path: Path
+    path: Location
     manifest: dict[str, Any]
 
     @property
@@ -61,7 +81,12 @@ class Checkpoint:
 
     def load(self, name: str) -> Any:
         """A verified file of this checkpoint, loaded with weights_only=True."""
-        return torch.load(self.path / name, map_location="cpu", weights_only=True)
+        file = self.path / name
+        if isinstance(file, StorePath):
+            with _store_errors(file):
+                data = io.BytesIO(file.read_bytes())
+            return torch.load(data, map_location="cpu", weights_only=True)
+        return torch.load(file, map_location="cpu", weights_only=True)
 
     def has(self, name: str) -> bool:
         return name in self.manifest["files"]
@@ -81,8 +106,25 @@ class Checkpoint:
 
 
 def run_dir_for(cfg: JobConfig) -> Path:
-    """A run's directory: its checkpoints, fault markers and tracking record."""
-    return Path(cfg.checkpoint.storage_path).expanduser().resolve() / cfg.name
+    """A run's local directory: fault markers, telemetry and the tracking record, and its
+    checkpoints when `checkpoint.storage_path` is a local path (`storage_path/name`). With
+    an object store, `.cache/trainstack/runs/<name>` under the working directory."""
+    return local_storage(cfg.checkpoint.storage_path) / cfg.name
+
+
+def checkpoints_for(cfg: JobConfig) -> Location:
+    """Where a run's checkpoints are: `run_dir_for(cfg)`, or `storage_path/name` in the
+    object store `checkpoint.storage_path` names. Raises ConfigError."""
+    if is_store_uri(cfg.checkpoint.storage_path):
+        store = open_location(cfg.checkpoint.storage_path, cfg.checkpoint.storage_options)
+        return store / cfg.name
+    return run_dir_for(cfg)
+
+
+def location(text: str, cfg: JobConfig) -> Location:
+    """`text` (a path or a URI, e.g. `--resume-from`) as a location; a URI's store is
+    opened with `cfg`'s `checkpoint.storage_options`. Raises ConfigError."""
+    return open_location(text, cfg.checkpoint.storage_options)
 
 
 def rank_file(folder: str, rank: int) -> str:
@@ -103,9 +145,10 @@ def spec_hash(spec: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
-def file_sha256(path: Path) -> str:
+def file_sha256(path: Location) -> str:
+    """The file's sha256, streamed (from the store, for a store's file)."""
     digest = hashlib.sha256()
-    with path.open("rb") as f:
+    with open_binary(path) as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
@@ -119,8 +162,13 @@ def save_atomically(obj: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def write_text_atomically(path: Path, text: str) -> None:
-    """Write `text` to a temporary name beside `path`, then rename: never a half file."""
+def write_text_atomically(path: Location, text: str) -> None:
+    """Write `text` to a temporary name beside `path`, then rename: never a half file (in
+    an object store, one upload, which shows the whole object or none of it)."""
+    if isinstance(path, StorePath):
+        with _store_errors(path):
+            path.write_text(text)
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
@@ -217,6 +265,9 @@ SAME_RUN_EXEMPT = (
     "data.val",
     "data.prepared_dir",
     "scaling.start_timeout_s",
+    "scaling.resize_check_s",
+    "scaling.resources_per_worker",
+    "strategy.ps_cpus",
 )
 """Spec keys (with a trailing dot: whole sections) a rerun may change and still be the
 same run: how it saves, logs, is tracked, waits for workers and survives failures, and
@@ -225,6 +276,7 @@ same data)."""
 
 LAYOUT_KEYS = (
     "scaling.num_workers",
+    "scaling.min_workers",
     "scaling.use_gpu",
     "scaling.cpus_per_worker",
     "train.micro_batch_size",
@@ -310,14 +362,24 @@ def parameter_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
     return {name: list(t.shape) for name, t in model.state_dict().items()}
 
 
-def verify(path: Path) -> Checkpoint:
-    """Check the manifest and every file it lists; raise CheckpointError naming the culprit."""
+def verify(path: Location) -> Checkpoint:
+    """Check the manifest and every file it lists; raise CheckpointError naming the culprit
+    (StorageUnreachableError when the store does not answer)."""
+    with _store_errors(path):
+        return _verify(path)
+
+
+def _verify(path: Location) -> Checkpoint:
     manifest_path = path / MANIFEST
     try:
         manifest = json.loads(manifest_path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{manifest_path}: missing (checkpoint incomplete)") from None
-    except (OSError, ValueError) as err:
+    except ValueError as err:
+        raise CheckpointError(f"{manifest_path}: unreadable: {err}") from None
+    except OSError as err:
+        if isinstance(path, StorePath):
+            raise
         raise CheckpointError(f"{manifest_path}: unreadable: {err}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{manifest_path}: not a trainstack checkpoint manifest v1")
@@ -326,38 +388,62 @@ def verify(path: Path) -> Checkpoint:
             raise CheckpointError(f"{manifest_path}: no '{key}' entry")
     for name, entry in manifest["files"].items():
         file = path / name
-        if not file.is_file():
+        size = size_of(file)
+        if size is None:
             raise CheckpointError(f"{file}: missing")
-        if file.stat().st_size != entry["size"]:
-            raise CheckpointError(
-                f"{file}: size {file.stat().st_size} != {entry['size']} in manifest"
-            )
-        if file_sha256(file) != entry["sha256"]:
+        if size != entry["size"]:
+            raise CheckpointError(f"{file}: size {size} != {entry['size']} in manifest")
+        try:
+            digest = file_sha256(file)
+        except FileNotFoundError:  # deleted since (pruned by a newer run's rank 0)
+            raise CheckpointError(f"{file}: missing") from None
+        if digest != entry["sha256"]:
             raise CheckpointError(f"{file}: sha256 does not match the manifest")
     return Checkpoint(path=path, manifest=manifest)
 
 
-def list_checkpoints(run_dir: Path) -> list[Path]:
+@contextlib.contextmanager
+def _store_errors(where: Location) -> Iterator[None]:
+    """A store's OSError (not a missing file) as StorageUnreachableError, one line."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise
+    except OSError as err:
+        if not isinstance(where, StorePath):
+            raise
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise StorageUnreachableError(
+            f"{where}: the checkpoint store did not answer ({reason[:300]}); check that it is "
+            "up and reachable, checkpoint.storage_options and the credentials in the "
+            "environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)"
+        ) from None
+
+
+def list_checkpoints(run_dir: Location) -> list[Location]:
     """Checkpoint directories of a run, newest step first."""
-    if not run_dir.is_dir():
-        return []
-    found = [p for p in run_dir.iterdir() if p.is_dir() and _DIR_PATTERN.match(p.name)]
+    with _store_errors(run_dir):
+        found = [p for p in child_dirs(run_dir) if _DIR_PATTERN.match(p.name)]
     return sorted(found, key=lambda p: p.name, reverse=True)
 
 
-def latest_valid(run_dir: Path, *, warn: Callable[[str], None]) -> tuple[Checkpoint | None, int]:
+def latest_valid(
+    run_dir: Location, *, warn: Callable[[str], None]
+) -> tuple[Checkpoint | None, int]:
     """The newest checkpoint that verifies, and how many newer ones were skipped as invalid."""
     skipped = 0
     for path in list_checkpoints(run_dir):
         try:
             return verify(path), skipped
+        except StorageUnreachableError:
+            raise
         except CheckpointError as err:
             warn(f"skipping checkpoint {path.name}: {err}")
             skipped += 1
     return None, skipped
 
 
-def prune(run_dir: Path, *, keep: int) -> None:
+def prune(run_dir: Location, *, keep: int) -> None:
     """Keep the newest `keep` checkpoints that verify and delete the rest, so the newest
     valid one is never deleted (nor anything, when none verifies).
 
@@ -372,12 +458,14 @@ def prune(run_dir: Path, *, keep: int) -> None:
         if kept < keep and _verifies(path):
             kept += 1
         elif kept > 0:
-            shutil.rmtree(path, ignore_errors=True)
+            delete_tree(path)
 
 
-def _verifies(path: Path) -> bool:
+def _verifies(path: Location) -> bool:
     try:
         verify(path)
+    except StorageUnreachableError:
+        raise
     except CheckpointError:
         return False
     return True
@@ -420,9 +508,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def read(path: Path) -> Checkpoint:
+def read(path: Location) -> Checkpoint:
     """A checkpoint another process already verified: its manifest, without re-hashing."""
-    return Checkpoint(path=path, manifest=json.loads((path / MANIFEST).read_text()))
+    with _store_errors(path):
+        return Checkpoint(path=path, manifest=json.loads((path / MANIFEST).read_text()))
 
 
 def warn(message: str) -> None:
@@ -430,9 +519,9 @@ def warn(message: str) -> None:
 
 
 def find_start(
-    run_dir: Path,
+    run_dir: Location,
     *,
-    resume_from: Path | None,
+    resume_from: Location | None,
     on_corrupt: str,
     warn: Callable[[str], None] = warn,
 ) -> Checkpoint | None:
@@ -440,7 +529,8 @@ def find_start(
 
     `resume_from` may be a checkpoint directory or a run directory (its newest valid
     checkpoint is used). Raises CheckpointError when checkpoints exist but none verifies
-    and `on_corrupt` is `fail`, or when `resume_from` does not verify.
+    and `on_corrupt` is `fail`, or when `resume_from` does not verify, and
+    StorageUnreachableError when the store does not answer.
     """
     found, skipped = latest_valid(run_dir, warn=warn)
     if found is not None:
@@ -460,14 +550,14 @@ def find_start(
 def checked_start(
     cfg: JobConfig,
     *,
-    resume_from: Path | None,
+    resume_from: Location | None,
     shapes: dict[str, list[int]],
     data_fingerprint: str,
 ) -> Checkpoint | None:
     """Where `cfg`'s run starts (`find_start`), checked before anything starts: the same
     model (`shapes`), the same data (`data_fingerprint`) and, for the run's own
     checkpoint, the same run (`check_same_run`). Raises CheckpointError."""
-    run_dir = run_dir_for(cfg)
+    run_dir = checkpoints_for(cfg)
     start = find_start(run_dir, resume_from=resume_from, on_corrupt=cfg.checkpoint.on_corrupt)
     if start is None:
         return None
@@ -478,10 +568,12 @@ def checked_start(
     return start
 
 
-def resolve(path: Path, *, warn: Callable[[str], None] = warn) -> Checkpoint:
+def resolve(path: Location, *, warn: Callable[[str], None] = warn) -> Checkpoint:
     """`path` as a checkpoint: the directory itself if it has a manifest, else the newest
     valid checkpoint of the run directory `path`. Raises CheckpointError."""
-    if (path / MANIFEST).exists():
+    with _store_errors(path):
+        has_manifest = (path / MANIFEST).exists()
+    if has_manifest:
         return verify(path)
     chosen, _ = latest_valid(path, warn=warn)
     if chosen is None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from trainstack.config import PROGRESS_MODES, ConfigError, JobConfig, load_config
 from trainstack.runtime.progress import ProgressDisplay, format_summary
+from trainstack.storage import Location, open_location
 
 
 def _error(message: str, *, code: int) -> int:
@@ -35,7 +36,8 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, config_flag: bool) -> 
         "--resume-from",
         default=None,
         help="start from this checkpoint (or a run directory's newest valid one) when the "
-        "run has no checkpoint of its own yet (not with strategy.kind ps)",
+        "run has no checkpoint of its own yet (not with strategy.kind ps); a path or a URI "
+        "(s3://bucket/prefix/run, opened with the spec's checkpoint.storage_options)",
     )
     parser.add_argument(
         "--progress", choices=PROGRESS_MODES, default=None, help="override log.progress"
@@ -63,16 +65,17 @@ def run_command(args: argparse.Namespace) -> int:
         if args.progress:
             overrides.append(f"log.progress={args.progress}")
         cfg = load_config(args.config, overrides)
+        options = cfg.checkpoint.storage_options  # a URI's store: the job's store options
+        resume_from = open_location(args.resume_from, options) if args.resume_from else None
     except ConfigError as err:
         return _error(str(err), code=2)
-    resume_from = Path(args.resume_from).expanduser().resolve() if args.resume_from else None
     return _train(
         cfg, address=args.address, summary_json=args.summary_json, resume_from=resume_from
     )
 
 
 def _train(
-    cfg: JobConfig, *, address: str | None, summary_json: str | None, resume_from: Path | None
+    cfg: JobConfig, *, address: str | None, summary_json: str | None, resume_from: Location | None
 ) -> int:
     from trainstack.checkpoint import CheckpointError
     from trainstack.runtime.launcher import RunFailedError, run_job  # imports Ray: keep it lazy
@@ -152,7 +155,8 @@ def export_command(args: argparse.Namespace) -> int:
     from trainstack.config import config_from_dict
 
     try:
-        found = resolve(Path(args.checkpoint).expanduser().resolve())
+        options = dict(_store_option(text) for text in args.storage_options)
+        found = resolve(open_location(args.checkpoint, options))
         state = found.full_weights()
         cfg = config_from_dict(found.manifest["spec"])
     except (CheckpointError, ConfigError) as err:
@@ -177,6 +181,16 @@ def export_command(args: argparse.Namespace) -> int:
         "AutoModelForCausalLM.from_pretrained)"
     )
     return 0
+
+
+def _store_option(text: str) -> tuple[str, Any]:
+    """`KEY=VALUE` of `--storage-option`; the value read as YAML (`true`, `5`, text)."""
+    import yaml
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--storage-option {text!r}: expected KEY=VALUE")
+    return key, yaml.safe_load(value)
 
 
 def prepare_command(args: argparse.Namespace) -> int:
@@ -217,7 +231,20 @@ def build_parser() -> argparse.ArgumentParser:
     export = commands.add_parser(
         "export", help="write a checkpoint's full fp32 weights as one state dict"
     )
-    export.add_argument("checkpoint", help="a checkpoint directory, or a run directory")
+    export.add_argument(
+        "checkpoint",
+        help="a checkpoint directory, or a run directory: a path, or a URI "
+        "(s3://bucket/prefix/run; credentials from the environment)",
+    )
+    export.add_argument(
+        "--storage-option",
+        dest="storage_options",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option of the URI's pyarrow filesystem, as checkpoint.storage_options, e.g. "
+        "endpoint_override=http://127.0.0.1:9000 (repeatable)",
+    )
     export.add_argument("--out", required=True, help="where to write the state dict (.pt)")
     export.add_argument(
         "--hf-dir",

@@ -17,9 +17,11 @@ from pathlib import Path
 from trainstack.config import ConfigError, JobConfig
 from trainstack.config_checks import FILE_SOURCES
 from trainstack.data.text import stdlib_pattern
+from trainstack.storage import local_storage
 
 PREPARED = "prepared"
-"""`data.prepared_dir` defaults to this folder of `checkpoint.storage_path`."""
+"""`data.prepared_dir` defaults to this folder of `checkpoint.storage_path` (of
+`.cache/trainstack/runs` when that is an object store)."""
 
 
 def resolve_data(cfg: JobConfig) -> JobConfig:
@@ -33,7 +35,7 @@ def resolve_data(cfg: JobConfig) -> JobConfig:
         train=expand("data.train", d.train),
         val=expand("data.val", d.val),
         prepared_dir=str(
-            Path(d.prepared_dir or Path(cfg.checkpoint.storage_path) / PREPARED)
+            Path(d.prepared_dir or local_storage(cfg.checkpoint.storage_path) / PREPARED)
             .expanduser()
             .resolve()
         ),

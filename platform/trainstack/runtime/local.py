@@ -20,9 +20,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from trainstack import checkpoint as ckpt
-from trainstack.config import JobConfig, config_from_dict, config_to_dict
+from trainstack.config import ConfigError, JobConfig, config_from_dict, config_to_dict
 from trainstack.runtime.loop import DirectoryCheckpointStore, train
 from trainstack.runtime.preflight import preflight
+from trainstack.storage import is_store_uri
 from trainstack.strategies import WorkerContext
 
 
@@ -37,8 +38,16 @@ def run_processes(
 ) -> dict[str, Any]:
     """Train `cfg` on `world_size` CPU processes; return rank 0's summary.
 
-    Raises if a process dies (e.g. an injected fault); running it again resumes.
+    Raises if a process dies (e.g. an injected fault); running it again resumes. Raises
+    ConfigError for checkpoints in an object store (these processes commit checkpoints
+    by renaming a local directory).
     """
+    if is_store_uri(cfg.checkpoint.storage_path):
+        raise ConfigError(
+            f"checkpoint.storage_path={cfg.checkpoint.storage_path!r}: the local process "
+            "harness writes checkpoints to a directory, not an object store; allowed: a "
+            "filesystem path here, or train on Ray (`trainstack run`) to use the store"
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     report = preflight(cfg)
     cfg = report.cfg

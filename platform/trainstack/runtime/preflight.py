@@ -1,6 +1,7 @@
 """Pre-flight: everything about a job the driver can check before Ray starts.
 
-The checkpoint storage must take a file (a probe is written there and removed). The data's files
+The checkpoint storage must take a file (a probe is written there and removed; in an object
+store, a probe object, after checking that the bucket exists). The data's files
 are found (globs expanded to absolute paths, which is the spec the workers get),
 checked (sizes, dtypes, token ids and labels in range) and, for text, prepared once;
 the user's model target imports and builds (seeded, as the workers will build it),
@@ -27,6 +28,7 @@ from trainstack.config_fields import show
 from trainstack.data import Source, build_corpus
 from trainstack.data.paths import resolve_data
 from trainstack.models import build_model, num_params
+from trainstack.storage import OPTION_SCHEMES, StorePath, is_store_uri, open_location
 from trainstack.tasks import Task, TaskOutputError, build_task
 from trainstack.user_code import describe_exception
 
@@ -71,7 +73,11 @@ def preflight(cfg: JobConfig) -> PreflightReport:
 def check_storage(cfg: JobConfig) -> None:
     """`checkpoint.storage_path` (and the run's directory, if it exists) takes a file: the
     missing folders are created, a probe file is written and removed, and the folders
-    this check created are removed again, so a job refused later leaves nothing behind."""
+    this check created are removed again, so a job refused later leaves nothing behind.
+    An object store's bucket must exist and take a small probe object, deleted again."""
+    if is_store_uri(cfg.checkpoint.storage_path):
+        check_object_store(cfg)
+        return
     storage = Path(cfg.checkpoint.storage_path).expanduser().resolve()
     run_dir = ckpt.run_dir_for(cfg)
     for folder in (storage, run_dir) if run_dir.is_dir() else (storage,):
@@ -92,6 +98,32 @@ def check_storage(cfg: JobConfig) -> None:
             for path in created:  # deepest first
                 with contextlib.suppress(OSError):
                     path.rmdir()
+
+
+def check_object_store(cfg: JobConfig) -> None:
+    """The store answers with these credentials, the bucket exists, and a probe object
+    can be written and deleted in `storage_path`."""
+    uri, options = cfg.checkpoint.storage_path, cfg.checkpoint.storage_options
+    where = f"checkpoint.storage_path={show(uri)}"
+    storage = open_location(uri, options)
+    assert isinstance(storage, StorePath)
+    bucket = StorePath(storage.fs, storage.path.split("/", 1)[0], scheme=storage.scheme)
+    probe = storage / f".trainstack-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        if storage.scheme in OPTION_SCHEMES and not bucket.exists():
+            raise ConfigError(
+                f"{where}: bucket {bucket.name!r} does not exist (or these credentials cannot "
+                "see it); allowed: an existing bucket (create it first)"
+            )
+        probe.write_text("")
+        probe.delete_file()
+    except OSError as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(
+            f"{where}: cannot write there ({reason[:300]}); check that the store is reachable "
+            "(checkpoint.storage_options endpoint_override, region, scheme) and the "
+            "credentials in the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)"
+        ) from None
 
 
 def check_data(cfg: JobConfig) -> Source:
