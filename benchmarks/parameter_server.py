@@ -28,7 +28,7 @@ given, steps and returns the weights (a dict of numpy arrays); `DataWorker` acto
 `compute_gradients`. Here it trains the same model on the same data (worker w reads
 rank w of the same `ShardedBatches`) with the same AdamW and lr schedule (its warm-up
 counted in updates / N), no staleness lr, and is evaluated the same way as the
-trainstack driver (`_held_out_loss`).
+trainstack driver (`_held_out`).
 
 All actors share this machine's cores: on a 2-core box the 4 workers (Ray is told
 max(4, N) CPUs, one per worker, one torch thread each), the shards, the clock board
@@ -60,7 +60,7 @@ from trainstack.data import build_corpus
 from trainstack.data.sharding import ShardedBatches
 from trainstack.models import build_model
 from trainstack.optim import build_optimizer, lr_multiplier, scaled_lr
-from trainstack.ps.driver import _held_out_loss, run_parameter_server
+from trainstack.ps.driver import _held_out, run_parameter_server
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -319,7 +319,7 @@ def measure_peer(*, straggler: bool, args: argparse.Namespace) -> dict[str, Any]
         "updates_per_s": updates / train_s,
         "pushes": updates,
         "samples_per_s": updates * per_worker / train_s,
-        "loss": _held_out_loss(cfg, model),
+        "loss": _held_out(cfg, model)["eval_loss"],
         "entropy_floor": build_corpus(cfg.data).loss_floor(cfg.model.block_size),
         "staleness_mean": float(stale.mean()) if stale.size else 0.0,
         "staleness_p99": float(np.percentile(stale, 99)) if stale.size else 0.0,

@@ -8,6 +8,7 @@ allowed.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -240,6 +241,10 @@ class StrategyConfig:
     """ps: steps between a worker's parameter pulls (>= 1)."""
     checkpoint_every_updates: int = 50
     """ps: each shard saves its parameters, optimizer state and clock every this many updates."""
+    ps_cpus: float = -1.0
+    """ps: CPUs each shard actor reserves (>= 0), or -1 (auto): 0 when Ray runs on one
+    machine (an embedded local instance: the shards fit beside the workers, as before),
+    1 when the cluster has more than one node."""
 
 
 @dataclass(kw_only=True)
@@ -267,8 +272,24 @@ class ScalingConfig:
     cpus_per_worker: float = 1.0
     """CPUs reserved per worker (> 0); also its torch thread count, rounded down, min 1."""
     start_timeout_s: float = 600.0
-    """On a cluster: seconds to wait for room for the workers before the run fails
-    (0: wait forever). A local Ray instance that can never hold them is refused at once."""
+    """On a cluster: seconds one start attempt of the worker group waits for room (0:
+    forever); attempts that time out or fail are retried up to `failure.max_failures`
+    times, then the run fails. A local Ray instance that can never hold them is refused
+    at once."""
+    min_workers: int = 0
+    """Elastic scaling: the fewest workers the run trains with (0: a fixed group of
+    `num_workers`). The spec may write `num_workers: {min: 2, max: 4}` for this and
+    `num_workers: 4`. The run starts once `min` fit, grows to `num_workers` as nodes join
+    and shrinks as they leave, restarting from the newest checkpoint on every resize."""
+    resize_check_s: float = 60.0
+    """Elastic scaling: seconds between the checks for room to grow a running group."""
+    resources_per_worker: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources each worker needs besides its CPUs (and GPU), e.g.
+    `{trainstack_worker_node: 1}` to train only on the nodes that advertise it."""
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers > 0
 
 
 @dataclass(kw_only=True)
@@ -278,7 +299,14 @@ class CheckpointConfig:
     keep: int = 3
     """Newest checkpoints that verify kept (>= 1); older ones are deleted."""
     storage_path: str = "runs"
-    """Where runs keep checkpoints and results; relative paths are under the working dir."""
+    """Where runs keep checkpoints and results: a path (relative ones are under the working
+    dir; on a cluster, one every node mounts) or an object store, `s3://bucket/prefix`,
+    `gs://bucket/prefix` (any store `pyarrow.fs` opens). With a store, the run's local files
+    (tracking record, fault markers) go to `.cache/trainstack/runs/<name>`."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Options of the store's pyarrow filesystem (`pyarrow.fs.S3FileSystem(**options)`:
+    `endpoint_override`, `region`, `scheme`, ...). Never credentials: those come from the
+    environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)."""
     on_corrupt: str = "fail"
     """When checkpoints exist but none verifies: `fail` (stop with an error) or `restart`."""
 
@@ -309,6 +337,9 @@ class FaultsConfig:
     """ps: a worker made `slow_factor` times slower by sleeping after each step (-1: none)."""
     slow_factor: float = 1.0
     """ps: how many times slower `slow_rank` runs (>= 1)."""
+    step_delay_s: float = 0.0
+    """Every training worker sleeps this long before each step, as a larger
+    model would take, so a test can act on the cluster while the run is mid-way."""
 
 
 @dataclass(kw_only=True)
@@ -498,9 +529,31 @@ def config_from_dict(raw: object) -> JobConfig:
     type (`"4"` -> 4, `"1e-3"` -> 0.001, `"yes"` -> True, `[0.9, 0.99]` -> a tuple).
     A null section means its defaults.
     """
-    cfg = build_section(JobConfig, raw, prefix="")
+    cfg = build_section(JobConfig, _elastic_shorthand(raw), prefix="")
     validate(cfg)
     return cfg
+
+
+def _elastic_shorthand(raw: object) -> object:
+    """`scaling.num_workers: {min: m, max: n}` as `num_workers: n` and `min_workers: m`."""
+    scaling = raw.get("scaling") if isinstance(raw, Mapping) else None
+    workers = scaling.get("num_workers") if isinstance(scaling, Mapping) else None
+    if not isinstance(workers, Mapping):
+        return raw
+    assert isinstance(raw, Mapping) and isinstance(scaling, Mapping)
+    if set(workers) != {"min", "max"}:
+        raise ConfigError(
+            f"scaling.num_workers: expected a number or {{min: M, max: N}}, got "
+            f"{show(dict(workers))}"
+        )
+    if "min_workers" in scaling:
+        raise ConfigError(
+            "scaling: give the elastic range once, as num_workers: {min, max} or as "
+            "num_workers and min_workers"
+        )
+    rest = {k: v for k, v in scaling.items() if k != "num_workers"}
+    scaling = {**rest, "num_workers": workers["max"], "min_workers": workers["min"]}
+    return {**raw, "scaling": scaling}
 
 
 def config_to_dict(cfg: JobConfig) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from trainstack.config_fields import ConfigError, show
+from trainstack.storage import check_uri, is_store_uri
 
 if TYPE_CHECKING:
     from trainstack.config import (
@@ -201,6 +202,7 @@ MAX_RESTARTS = 10**6
 MAX_CPUS_PER_WORKER = 1024
 MAX_SLOW_FACTOR = 1000
 MAX_START_TIMEOUT_S = 10**7
+MAX_STEP_DELAY_S = 60
 
 
 # ---- validation -----------------------------------------------------------------
@@ -549,6 +551,9 @@ def _validate_parameter_server(cfg: JobConfig) -> None:
         ">= 1",
     )
     _cap("strategy.checkpoint_every_updates", s.checkpoint_every_updates, MAX_UPDATES)
+    auto = "-1 (auto: 0 on one machine, 1 on a multi-node cluster) or >= 0"
+    _require("strategy.ps_cpus", s.ps_cpus == -1 or s.ps_cpus >= 0, s.ps_cpus, auto)
+    _cap("strategy.ps_cpus", s.ps_cpus, MAX_CPUS_PER_WORKER)
     f = cfg.faults
     _require("faults.slow_factor", f.slow_factor >= 1, f.slow_factor, ">= 1")
     _cap("faults.slow_factor", f.slow_factor, MAX_SLOW_FACTOR)
@@ -699,6 +704,52 @@ def _validate_scaling(s: ScalingConfig) -> None:
     timeout = s.start_timeout_s
     _require("scaling.start_timeout_s", timeout >= 0, timeout, ">= 0 (0: wait forever)")
     _cap("scaling.start_timeout_s", timeout, MAX_START_TIMEOUT_S, why=" (0: wait forever)")
+    fewest = f"0 (a fixed group) to scaling.num_workers={s.num_workers}"
+    _require("scaling.min_workers", 0 <= s.min_workers <= s.num_workers, s.min_workers, fewest)
+    _require("scaling.resize_check_s", s.resize_check_s > 0, s.resize_check_s, "> 0")
+    _cap("scaling.resize_check_s", s.resize_check_s, MAX_START_TIMEOUT_S)
+    for name, amount in s.resources_per_worker.items():
+        key = f"scaling.resources_per_worker.{name}"
+        if name in RAY_BUILTIN_RESOURCES:
+            raise ConfigError(
+                f"{key}: CPUs and GPUs are set by scaling.cpus_per_worker and scaling.use_gpu; "
+                "allowed here: custom resources the cluster's nodes advertise"
+            )
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {show(amount)}")
+        _require(key, amount > 0, float(amount), "> 0")
+        _cap(key, amount, MAX_CPUS_PER_WORKER)
+
+
+RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+def _validate_elastic(cfg: JobConfig) -> None:
+    """An elastic group (`scaling.min_workers` > 0) keeps the global batch at every size."""
+    s, g = cfg.scaling, cfg.train.global_batch_size
+    if not s.elastic:
+        return
+    sizes = f"{{min: {s.min_workers}, max: {s.num_workers}}}"
+    if cfg.strategy.kind not in ("ddp", "zero"):
+        raise ConfigError(
+            f"scaling.num_workers={sizes} with strategy.kind={cfg.strategy.kind}: elastic "
+            "scaling is for strategy.kind ddp or zero (a pipeline could resize only by whole "
+            "replicas; a parameter server keeps its workers); give num_workers a number"
+        )
+    if cfg.data.kind == "ray":
+        raise ConfigError(
+            f"scaling.num_workers={sizes} with data.kind=ray: Ray Data's shards are fixed per "
+            "group; elastic scaling needs an indexed source (markov, tokens, text, arrays, ...)"
+        )
+    misfits = [n for n in range(s.min_workers, s.num_workers + 1) if g % n]
+    if misfits:
+        every = math.lcm(*range(s.min_workers, s.num_workers + 1))
+        raise ConfigError(
+            f"train.global_batch_size={g} must be divisible by every worker count of "
+            f"scaling.num_workers={sizes} (the global batch stays fixed as the group resizes); "
+            f"{misfits[0]} does not divide it; allowed: a multiple of {every}, "
+            f"e.g. {_next_multiple(g, every)}"
+        )
 
 
 def _validate_checkpoint(c: CheckpointConfig) -> None:
@@ -710,12 +761,25 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
     _cap("checkpoint.keep", c.keep, MAX_CHECKPOINTS_KEPT)
     if not c.storage_path.strip():
         raise ConfigError(f"checkpoint.storage_path={c.storage_path!r} is empty; allowed: a path")
-    if "://" in c.storage_path:
+    if is_store_uri(c.storage_path):
+        check_uri(c.storage_path, c.storage_options)  # offline: the store is probed in preflight
+    elif c.storage_options:
         raise ConfigError(
-            f"checkpoint.storage_path={show(c.storage_path)} is a URI; allowed: a filesystem "
-            "path (on a cluster, one every node mounts, e.g. NFS)"
+            f"checkpoint.storage_options={show(c.storage_options)} needs an object store in "
+            f"checkpoint.storage_path (got the path {show(c.storage_path)}); allowed: "
+            "s3://bucket/prefix, gs://bucket/prefix, or no storage_options"
         )
     _check_choice("checkpoint.on_corrupt", c.on_corrupt, CORRUPT_CHECKPOINT_ACTIONS)
+
+
+def _validate_object_store(cfg: JobConfig) -> None:
+    """What cannot keep its files in an object store yet."""
+    if cfg.strategy.kind == "ps" and is_store_uri(cfg.checkpoint.storage_path):
+        raise ConfigError(
+            f"checkpoint.storage_path={show(cfg.checkpoint.storage_path)}: strategy.kind=ps "
+            "keeps its shard checkpoints in a shared filesystem, not an object store; allowed: "
+            "a path every node mounts (e.g. NFS), or strategy.kind ddp, zero or pipeline"
+        )
 
 
 def _validate_faults(cfg: JobConfig) -> None:
@@ -732,6 +796,10 @@ def _validate_faults(cfg: JobConfig) -> None:
     _require("faults.seed", 0 <= f.seed <= MAX_SEED, f.seed, f"0 to {MAX_SEED}")
     _cap("faults.shard", f.shard, MAX_WORKERS)  # ps: checked against its shards too
     _cap("faults.slow_rank", f.slow_rank, MAX_WORKERS)
+    delay = f.step_delay_s
+    _require(
+        "faults.step_delay_s", 0 <= delay <= MAX_STEP_DELAY_S, delay, f"0 to {MAX_STEP_DELAY_S}"
+    )
 
 
 def _validate_streaming(cfg: JobConfig) -> None:
@@ -758,11 +826,13 @@ def _validate_streaming(cfg: JobConfig) -> None:
 
 def _validate_cross_section(cfg: JobConfig) -> None:
     _validate_streaming(cfg)
+    _validate_object_store(cfg)
+    _validate_elastic(cfg)
     t, o = cfg.train, cfg.optim
     replicas = cfg.data_parallel_size
     per_step = t.micro_batch_size * replicas
     what = "strategy.data_parallel" if cfg.strategy.kind == "pipeline" else "scaling.num_workers"
-    if t.global_batch_size % per_step:
+    if t.global_batch_size % per_step and not cfg.scaling.elastic:  # elastic: micro adapts
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} is not divisible by "
             f"train.micro_batch_size × {what} = {t.micro_batch_size} × "

@@ -1,13 +1,14 @@
 """Runs a `ps` job on plain Ray actors: S shards, N workers and a clock board.
 
 The driver builds the model once (the seed fixes its weights), partitions it over the
-shards by bytes, starts the actors, and waits for every worker to push its
-`train.steps` steps, showing progress from the board. A worker that dies is restarted
-by Ray (`failure.max_failures` restarts per worker, -1 unlimited) and its `run` is
-called again; shards are always restarted and restore their own checkpoints. At the
-end the driver pulls the final parameters, evaluates them on held-out data, writes
-them as a standard checkpoint (`model.pt`, loadable by any strategy) and returns the
-summary: updates/s, staleness, per-worker throughput, restarts and losses.
+shards by bytes, starts the actors where ps/placement.py says, and waits for every
+worker to push its `train.steps` steps, showing progress from the board. A worker
+that dies is restarted by Ray (`failure.max_failures` restarts per worker, -1
+unlimited) and its `run` is called again; shards are always restarted and restore
+their own checkpoints. At the end the driver pulls the final parameters, evaluates
+them on held-out data, writes them as a standard checkpoint (`model.pt`, loadable by
+any strategy) and returns the summary: updates/s, staleness, per-worker throughput,
+restarts and losses.
 """
 
 from __future__ import annotations
@@ -34,16 +35,14 @@ from trainstack.data.sharding import eval_batches
 from trainstack.models import build_model, num_params
 from trainstack.ps.clock import ActorNames, ClockBoard, bound_for
 from trainstack.ps.partition import ShardLayout, partition
+from trainstack.ps.placement import OWN_RESOURCES, shard_cpus, shard_strategies
 from trainstack.ps.shard import ParameterServerShard
 from trainstack.ps.worker import ParameterServerWorker
 from trainstack.runtime.capacity import start_timeout_message
+from trainstack.runtime.launcher import on_this_node
 from trainstack.runtime.loop import DirectoryCheckpointStore, data_epoch
 from trainstack.runtime.progress import ProgressDisplay
 from trainstack.tasks import EvalSums, build_task, eval_mode, evaluate
-
-OWN_RESOURCES = "DEFAULT"
-"""The actors reserve their own resources, outside any placement group the driver runs
-in (a Tune trial's would otherwise capture them)."""
 
 
 class WorkerFailedError(RuntimeError):
@@ -80,7 +79,7 @@ def run_parameter_server(
             name=names.board,
             num_cpus=0,
             max_concurrency=4 * workers + 8,
-            scheduling_strategy=OWN_RESOURCES,
+            scheduling_strategy=on_this_node(),  # lives and dies with the driver
         )
         .remote(
             workers=workers,
@@ -88,14 +87,17 @@ def run_parameter_server(
             total_steps=cfg.train.steps,
         )
     )
+    # Shards prefer nodes that do not train (ps/placement.py): a lost training node then
+    # costs its workers' steps, not a shard's updates too.
+    cpus = shard_cpus(cfg)
     shards: list[Any] = [
         ray.remote(ParameterServerShard)
         .options(
             name=names.shard(i),
-            num_cpus=0,
+            num_cpus=cpus,
             max_restarts=-1,
             max_task_retries=-1,
-            scheduling_strategy=OWN_RESOURCES,
+            scheduling_strategy=placement,
         )
         .remote(
             index=i,
@@ -104,12 +106,15 @@ def run_parameter_server(
             checkpoint_dir=str(run_dir / "ps"),
             names=names,
         )
-        for i, layout in enumerate(layouts)
+        for i, (layout, placement) in enumerate(
+            zip(layouts, shard_strategies(cfg, cpus=cpus), strict=True)
+        )
     ]
     worker_actors: list[Any] = [
         ray.remote(ParameterServerWorker)
         .options(
             num_cpus=cfg.scaling.cpus_per_worker,
+            resources=dict(cfg.scaling.resources_per_worker),
             scheduling_strategy=OWN_RESOURCES,
             max_restarts=cfg.failure.max_failures,
             max_task_retries=-1,  # `run` starts again on the restarted worker
@@ -127,7 +132,7 @@ def run_parameter_server(
         sizes = ", ".join(f"{layout.numel:,}" for layout in layouts)
         display.note(
             f"parameter server ({s.consistency}): {workers} workers, {s.num_shards} shards "
-            f"({sizes} parameters)"
+            f"({sizes} parameters; {cpus:g} CPUs reserved by each)"
         )
     ready = [actor.__ray_ready__.remote() for actor in [*worker_actors, *shards]]
     try:

@@ -167,10 +167,17 @@ def _local_gpus() -> int:
 def check_local_resources(cfg: JobConfig, *, cpus: float, gpus: int) -> None:
     """The workers' reservations against an embedded instance with `cpus` and `gpus`."""
     s = cfg.scaling
-    needed = s.num_workers * s.cpus_per_worker
+    if s.resources_per_worker:
+        name = next(iter(s.resources_per_worker))
+        raise ConfigError(
+            f"scaling.resources_per_worker.{name}: the local Ray instance this run starts "
+            "advertises no custom resources; run on a cluster whose nodes do (--address), or "
+            "drop scaling.resources_per_worker"
+        )
+    needed = starting_workers(cfg) * s.cpus_per_worker
     if needed > cpus + 1e-9:
         raise ConfigError(
-            f"scaling.num_workers × scaling.cpus_per_worker = {s.num_workers} × "
+            f"scaling.num_workers × scaling.cpus_per_worker = {starting_workers(cfg)} × "
             f"{s.cpus_per_worker:g} = {needed:g} CPUs, but the local Ray instance this run "
             f"starts has this machine's {cpus:g}; allowed: num_workers × cpus_per_worker "
             f"<= {cpus:g} (or run on a cluster with --address)"
@@ -222,12 +229,19 @@ def _bytes(n: float) -> str:
 # ---- a cluster --------------------------------------------------------------------
 
 
+def starting_workers(cfg: JobConfig) -> int:
+    """Workers the run needs room for to start: an elastic group's minimum, else all."""
+    return cfg.scaling.min_workers or cfg.scaling.num_workers
+
+
 def worker_resources(cfg: JobConfig) -> dict[str, float]:
-    """What all the workers reserve together, by Ray resource name."""
-    s = cfg.scaling
-    needs = {"CPU": s.num_workers * s.cpus_per_worker}
+    """What the workers the run starts with reserve together, by Ray resource name."""
+    s, n = cfg.scaling, starting_workers(cfg)
+    needs = {"CPU": n * s.cpus_per_worker}
     if uses_gpus(cfg):
-        needs["GPU"] = float(s.num_workers)
+        needs["GPU"] = float(n)
+    for name, amount in s.resources_per_worker.items():
+        needs[name] = n * amount
     return needs
 
 
@@ -249,21 +263,41 @@ def cluster_wait_note(cfg: JobConfig, free: dict[str, float]) -> str | None:
         return None
     timeout = cfg.scaling.start_timeout_s
     limit = f"up to scaling.start_timeout_s={timeout:g} s" if timeout else "with no time limit"
-    return (
-        f"waiting for room on the cluster ({limit}): scaling.num_workers="
-        f"{cfg.scaling.num_workers} need {short}"
-    )
+    return f"waiting for room on the cluster ({limit}): {_starting(cfg)} need {short}"
 
 
 def start_timeout_message(cfg: JobConfig) -> str:
     """Why a run ended when its workers found no room within `scaling.start_timeout_s`."""
     needs = " and ".join(f"{need:g} {name}" for name, need in worker_resources(cfg).items())
     return (
-        f"the cluster did not make room for scaling.num_workers={cfg.scaling.num_workers} "
+        f"the cluster did not make room for {_starting(cfg)} "
         f"({needs}) within scaling.start_timeout_s={cfg.scaling.start_timeout_s:g} s; free or "
         "add resources, lower scaling.num_workers, or raise scaling.start_timeout_s "
         "(0: wait forever)"
     )
+
+
+def _starting(cfg: JobConfig) -> str:
+    s = cfg.scaling
+    if s.elastic:
+        return f"scaling.min_workers={s.min_workers} (elastic, up to {s.num_workers})"
+    return f"scaling.num_workers={s.num_workers}"
+
+
+ELASTIC_ATTEMPT_S = 60.0
+"""The longest one start attempt of an elastic group waits. Ray 2.60 sizes a restart
+from cluster resources its autoscaling coordinator refreshes every 20 s, so the restart
+after a node loss may ask for the workers the lost node held; that attempt ends after
+this long and the next is sized from what the cluster has then."""
+
+
+def attempt_timeout_s(cfg: JobConfig) -> float:
+    """How long one start attempt of the worker group waits for room (0: forever):
+    `scaling.start_timeout_s`, at most `ELASTIC_ATTEMPT_S` for an elastic group."""
+    timeout = cfg.scaling.start_timeout_s
+    if cfg.scaling.elastic:
+        return min(timeout, ELASTIC_ATTEMPT_S) if timeout else ELASTIC_ATTEMPT_S
+    return timeout
 
 
 def is_start_timeout(error: BaseException) -> bool:

@@ -1,4 +1,5 @@
-"""Test-only fault injection: a worker process dies on purpose just before a chosen step.
+"""Test-only fault injection: a worker process dies on purpose just before a chosen step
+(and, with `faults.step_delay_s`, every step takes longer).
 
 Driven by the spec's `faults` section (off by default). Each planned kill fires once
 per run: a marker file in the run directory records it (`first_firing`, which the
@@ -56,9 +57,13 @@ class FaultInjector:
         self.rank = rank
         self.marker_dir = marker_dir
         self.on_fire = on_fire
+        self.delay_s = cfg.faults.step_delay_s
 
     def before_step(self, step: int) -> None:
-        """Die now if this rank is planned to die before `step` and has not yet."""
+        """Die now if this rank is planned to die before `step` and has not yet; sleep
+        `faults.step_delay_s` first."""
+        if self.delay_s:
+            time.sleep(self.delay_s)
         if step not in self.plan:
             return
         if not first_firing(self.marker_dir / f"killed_before_step_{step}"):

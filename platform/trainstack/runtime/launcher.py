@@ -26,11 +26,13 @@ import ray.train
 import ray.train.torch
 from ray.train.torch import TorchTrainer
 from ray.util.queue import Empty, Queue
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from trainstack import checkpoint as ckpt
 from trainstack.config import ConfigError, JobConfig, config_from_dict, config_to_dict
 from trainstack.data.ray_source import ray_datasets, ray_ingest_config
 from trainstack.runtime.capacity import (
+    attempt_timeout_s,
     check_fits_this_machine,
     cluster_wait_note,
     is_start_timeout,
@@ -40,6 +42,7 @@ from trainstack.runtime.capacity import (
 from trainstack.runtime.loop import train
 from trainstack.runtime.preflight import preflight
 from trainstack.runtime.progress import ProgressDisplay
+from trainstack.storage import Location, StorePath, is_store_uri, with_env_credentials
 from trainstack.strategies import WorkerContext
 from trainstack.telemetry import RunTelemetry
 from trainstack.tracking import Tracker, start_tracking
@@ -96,6 +99,12 @@ class FailureWatch(ray.train.UserCallback):
             )
 
 
+def on_this_node() -> NodeAffinitySchedulingStrategy:
+    """Placement beside the driver, for the run's small actors (the event queue): they
+    live and die with the driver, never with a worker node that is lost."""
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
 def worker_env(cfg: JobConfig) -> dict[str, str]:
     """Environment the workers need that a `ray start` cluster would not give them."""
     env: dict[str, str] = {}
@@ -105,7 +114,26 @@ def worker_env(cfg: JobConfig) -> dict[str, str]:
     if cfg.strategy.kind == "zero":  # DeepSpeed's JIT-built ops (cpu_adam): build once, reuse
         cache = os.environ.get("TORCH_EXTENSIONS_DIR") or ".cache/torch_extensions"
         env["TORCH_EXTENSIONS_DIR"] = str(Path(cache).resolve())
+    if is_store_uri(cfg.checkpoint.storage_path):
+        # Object-store credentials travel in the workers' runtime env (never in the spec,
+        # which every checkpoint copies): each worker builds its own pyarrow filesystem
+        # from `checkpoint.storage_options`, and pyarrow reads these from its environment.
+        env.update({k: v for k, v in os.environ.items() if k in STORE_CREDENTIAL_ENV})
     return env
+
+
+STORE_CREDENTIAL_ENV = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_DEFAULT_REGION",
+    "AWS_REGION",
+    "AWS_PROFILE",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+)
+"""What pyarrow's S3 and GCS filesystems read from the environment, passed to the workers."""
 
 
 def _quiet_report_logs() -> None:
@@ -139,7 +167,8 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
         ctx,
         run_dir=Path(loop_config["run_dir"]),
         store=RayCheckpointStore(),
-        resume_from=Path(resume_from) if resume_from else None,
+        checkpoints=ckpt.location(loop_config["checkpoints"], cfg),  # its own store client
+        resume_from=ckpt.location(resume_from, cfg) if resume_from else None,
         on_event=on_event,
     )
 
@@ -157,6 +186,9 @@ class RunFollower:
     """Injected kills, each with the `attempt` (index into `starts`) it ended."""
     failures: list[dict[str, Any]] = field(default_factory=list)
     """Failures the controller saw, each with its `attempt` and `after_step`."""
+    resizes: list[dict[str, Any]] = field(default_factory=list)
+    """Elastic resizes: the step the new group resumed from, its size before and after,
+    and why (`workers lost` after a failure, else `room for more workers`)."""
     last_step: int = 0
     """The newest step the current attempt is known to have finished: its last logged
     step, its first step, or the step it resumed from."""
@@ -173,6 +205,7 @@ class RunFollower:
         elif event == "start":
             self.starts.append(record)
             self.last_step = record["resumed_from_step"]
+            self._note_resize(record)
             if self.restarts and self.telemetry is not None:
                 self.telemetry.record_restart("worker_group")
             if self.display is not None:
@@ -193,6 +226,27 @@ class RunFollower:
             self.failures.append({**record, "attempt": self.attempt, "after_step": self.last_step})
             if self.display is not None:
                 self.display.note(f"worker {record['rank']} failed: {record['error']}")
+
+    def _note_resize(self, start: dict[str, Any]) -> None:
+        """Record a group that started at another size than the one before it."""
+        if len(self.starts) < 2:
+            return
+        before, now = self.starts[-2].get("world_size"), start.get("world_size")
+        if before is None or now is None or before == now:
+            return
+        lost = any(f["attempt"] == len(self.starts) - 2 for f in self.failures)
+        resize = {
+            "step": start["resumed_from_step"],
+            "from": before,
+            "to": now,
+            "reason": "workers lost" if lost else "room for more workers",
+        }
+        self.resizes.append(resize)
+        self.tracker.log_metrics({"world_size": now}, step=resize["step"])
+        if self.display is not None:
+            self.display.note(
+                f"resized {before} → {now} workers at step {resize['step']} ({resize['reason']})"
+            )
 
     @property
     def restarts(self) -> int:
@@ -242,7 +296,7 @@ def run_job(
     *,
     address: str | None = None,
     display: ProgressDisplay | None = None,
-    resume_from: Path | None = None,
+    resume_from: Location | None = None,
     on_record: Callable[[dict[str, Any]], None] | None = None,
     tracking_tags: dict[str, str] | None = None,
 ) -> dict[str, Any]:
@@ -270,7 +324,8 @@ def run_job(
         check_fits_this_machine(cfg)
     report = preflight(cfg)
     cfg = report.cfg
-    run_dir = ckpt.run_dir_for(cfg)
+    run_dir = ckpt.run_dir_for(cfg)  # local: tracking record, fault markers, telemetry
+    checkpoints = ckpt.checkpoints_for(cfg)  # run_dir, or the run's folder in an object store
     start = ckpt.checked_start(
         cfg,
         resume_from=resume_from,
@@ -280,7 +335,7 @@ def run_job(
     if start is not None and start.step >= cfg.train.steps:
         summary = dict(start.manifest["metrics"])
         summary.update(
-            already_complete=True, run_dir=str(run_dir), final_checkpoint=str(start.path)
+            already_complete=True, run_dir=str(checkpoints), final_checkpoint=str(start.path)
         )
         return summary
 
@@ -301,10 +356,13 @@ def run_job(
         on_record=on_record,
         telemetry=RunTelemetry.for_driver(cfg, run_dir=run_dir),
     )
-    events = Queue(actor_options={"num_cpus": 0})
-    resources: dict[str, float] = {"CPU": cfg.scaling.cpus_per_worker}
-    if cfg.scaling.use_gpu:
+    events = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": on_this_node()})
+    s = cfg.scaling
+    resources: dict[str, float] = {"CPU": s.cpus_per_worker, **s.resources_per_worker}
+    if s.use_gpu:
         resources["GPU"] = 1
+    # Elastic: Ray Train starts with as many as fit (at least min) and resizes the group.
+    workers = (s.min_workers, s.num_workers) if s.elastic else s.num_workers
     trainer = TorchTrainer(
         train_loop_per_worker=_train_worker,
         datasets=datasets,
@@ -313,16 +371,18 @@ def run_job(
             "spec": config_to_dict(cfg),
             "events": events,
             "run_dir": str(run_dir),
+            "checkpoints": str(checkpoints),
             "resume_from": str(resume_from) if resume_from else None,
         },
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=cfg.scaling.num_workers,
-            use_gpu=cfg.scaling.use_gpu,
+        scaling_config=ray.train.ScalingConfig(  # type: ignore[call-arg]  # V2's, typed as AIR's
+            num_workers=workers,  # type: ignore[arg-type]
+            use_gpu=s.use_gpu,
             resources_per_worker=resources,
+            elastic_resize_monitor_interval_s=s.resize_check_s,
         ),
         run_config=ray.train.RunConfig(
             name=cfg.name,
-            storage_path=str(run_dir.parent),
+            **_ray_storage(cfg, checkpoints),
             failure_config=_failure_config(cfg),
             callbacks=[FailureWatch(events)],  # type: ignore[list-item]
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # type: ignore[call-arg]
@@ -333,7 +393,7 @@ def run_job(
 
     def fit() -> None:
         try:
-            with worker_group_start_timeout(cfg.scaling.start_timeout_s):
+            with worker_group_start_timeout(attempt_timeout_s(cfg)):
                 outcome["result"] = trainer.fit()
         except Exception as err:  # surfaced on the driver's thread below
             outcome["error"] = err
@@ -361,10 +421,13 @@ def run_job(
     summary = dict(result.metrics or {})
     summary.update(
         wall_s=time.perf_counter() - wall_start,
-        run_dir=str(run_dir),
-        final_checkpoint=result.checkpoint.path if result.checkpoint else None,
+        run_dir=str(checkpoints),
+        final_checkpoint=str(checkpoints / Path(result.checkpoint.path).name)
+        if result.checkpoint
+        else None,
         restarts=follower.restarts,
         recovery=follower.recovery(),
+        resizes=follower.resizes,
         mlflow_run_id=tracker.run_id,
         tracking_error=tracker.error,
     )
@@ -372,12 +435,27 @@ def run_job(
     return summary
 
 
+def _ray_storage(cfg: JobConfig, checkpoints: Location) -> dict[str, Any]:
+    """Where Ray Train keeps the run (`storage_path/name`): the local folder, or the object
+    store's filesystem and the path in it (`bucket/prefix`).
+
+    Ray Train's controller writes its own state there from a process that has its
+    raylet's environment, not the driver's (on a `ray start` cluster, no credentials):
+    the filesystem handed to it carries the driver's AWS keys, which pickling keeps."""
+    if isinstance(checkpoints, StorePath):
+        fs = with_env_credentials(checkpoints, cfg.checkpoint.storage_options)
+        return {"storage_path": checkpoints.parent.path, "storage_filesystem": fs}
+    return {"storage_path": str(checkpoints.parent)}
+
+
 def _failure_config(cfg: JobConfig) -> ray.train.FailureConfig:
-    """Worker-group restarts per `failure.max_failures`; a worker group that finds no
-    room within `scaling.start_timeout_s` ends the run (the controller gets no retries)."""
-    no_retry = 0 if cfg.scaling.start_timeout_s else -1
+    """Worker-group restarts per `failure.max_failures`, and as many start attempts that
+    fail or find no room within `scaling.start_timeout_s` (0: start attempts wait
+    forever). A group restarted just after a node is lost can land on that node before
+    Ray has seen it die and fail to start: that costs one attempt, not the run."""
+    attempts = cfg.failure.max_failures if attempt_timeout_s(cfg) else -1
     return ray.train.FailureConfig(  # type: ignore[call-arg]  # Train V2's, typed as AIR's
-        max_failures=cfg.failure.max_failures, controller_failure_limit=no_retry
+        max_failures=cfg.failure.max_failures, controller_failure_limit=attempts
     )
 
 
@@ -416,6 +494,9 @@ def _failure_summary(follower: RunFollower, error: BaseException) -> str:
     failures = follower.failures
     steps = ", ".join(str(f["after_step"]) for f in failures) or "?"
     last = failures[-1]["error"] if failures else str(error).strip().splitlines()[-1]
+    controller = getattr(error, "controller_failure", None)
+    if controller is not None:  # the controller gave up (it gets no retries): say why
+        last = (str(controller).strip().splitlines() or [type(controller).__name__])[-1]
     return (
         f"training failed after {len(failures)} worker failure(s) "
         f"(last steps known finished before each: {steps}); last error: {last}"

@@ -6,6 +6,7 @@ strategy, step, log on log steps, evaluate on held-out data, summarise.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -30,6 +31,7 @@ from trainstack.metrics import ThroughputMeter, device_peak_flops, mfu, peak_mem
 from trainstack.models import build_model, num_params
 from trainstack.models.flops import flops_per_token as training_flops_per_token
 from trainstack.runtime.faults import FaultInjector
+from trainstack.storage import Location
 from trainstack.strategies import Strategy, WorkerContext, build_strategy
 from trainstack.strategies.base import ReportsLayout, StepOutput
 from trainstack.tasks import build_task
@@ -83,23 +85,52 @@ def torch_threads(cfg: JobConfig) -> int:
     return max(1, math.floor(cfg.scaling.cpus_per_worker))
 
 
+def fit_to_group(cfg: JobConfig, world_size: int) -> tuple[JobConfig, str | None]:
+    """An elastic run's spec for a group of `world_size` workers, and a note saying what
+    changed (None when nothing did): the global batch stays, so each worker takes G / N
+    samples in micro-batches of the largest size <= `train.micro_batch_size` dividing it.
+    A fixed group gets `cfg` back unchanged."""
+    s, t = cfg.scaling, cfg.train
+    if not s.elastic:
+        return cfg, None
+    per_worker = t.global_batch_size // world_size  # validation: every size divides G
+    micro = max(b for b in range(1, min(t.micro_batch_size, per_worker) + 1) if per_worker % b == 0)
+    if world_size == s.num_workers and micro == t.micro_batch_size:
+        return cfg, None
+    fitted = dataclasses.replace(
+        cfg,
+        scaling=dataclasses.replace(s, num_workers=world_size),
+        train=dataclasses.replace(t, micro_batch_size=micro),
+    )
+    accum = per_worker // micro
+    return fitted, (
+        f"elastic: {world_size} of up to {s.num_workers} workers, {per_worker} samples each "
+        f"per step ({accum} × {micro}); global batch {t.global_batch_size}"
+    )
+
+
 def train(
     cfg: JobConfig,
     ctx: WorkerContext,
     *,
     run_dir: Path,
     store: CheckpointStore,
-    resume_from: Path | None = None,
+    checkpoints: Location | None = None,
+    resume_from: Location | None = None,
     on_event: LogFn | None = None,
 ) -> TrainOutcome:
-    """Run the job on this worker, resuming from the newest valid checkpoint in `run_dir`
-    (else `resume_from`, else from scratch); return its summary and trained strategy.
+    """Run the job on this worker, resuming from the newest valid checkpoint in
+    `checkpoints` (else `resume_from`, else from scratch); return its summary and trained
+    strategy. `checkpoints` is where the store puts them (default: `run_dir`, the run's
+    local directory, which also holds fault markers and telemetry).
 
     `on_event` gets rank 0's log records and run events (start, first step, injected
     faults) as dicts; records have a "step", events an "event" key.
     """
     emit = on_event or (lambda record: None)
     entered = time.time()
+    spec = config_to_dict(cfg)  # what checkpoints record: the run's spec, not this group's
+    cfg, group_note = fit_to_group(cfg, ctx.world_size)
     torch.set_num_threads(torch_threads(cfg))
     corpus: Source = (  # ray: held-out rows from Ray Train's `val` dataset
         RaySource.from_shard(cfg.data) if cfg.data.kind == "ray" else build_corpus(cfg.data)
@@ -116,15 +147,19 @@ def train(
 
     strategy = build_strategy(cfg, ctx)
     strategy.setup(model)
-    restored, notes = _restore(cfg, ctx, strategy, run_dir=run_dir, resume_from=resume_from)
+    checkpoints = run_dir if checkpoints is None else checkpoints
+    restored, notes = _restore(cfg, ctx, strategy, checkpoints=checkpoints, resume_from=resume_from)
     start_step = restored.step if restored else 0
     if isinstance(strategy, ReportsLayout):
         notes = [*strategy.layout_notes(), *notes]
+    if group_note is not None:
+        notes = [group_note, *notes]
     if ctx.rank == 0:
         emit(
             {
                 "event": "start",
                 "resumed_from_step": start_step,
+                "world_size": ctx.world_size,
                 "notes": notes,
                 "worker_entered": entered,
                 "time": time.time(),
@@ -170,7 +205,8 @@ def train(
             cfg,
             ctx,
             strategy,
-            run_dir=run_dir,
+            spec=spec,
+            checkpoints=checkpoints,
             store=store,
             step=step,
             samples_seen=seen,
@@ -295,7 +331,8 @@ def _save_checkpoint(
     ctx: WorkerContext,
     strategy: Strategy,
     *,
-    run_dir: Path,
+    spec: dict[str, Any],
+    checkpoints: Location,
     store: CheckpointStore,
     step: int,
     samples_seen: int,
@@ -309,7 +346,6 @@ def _save_checkpoint(
         files = {**strategy.checkpoint_files(), ckpt.rank_file("rng", ctx.rank): ckpt.rng_state()}
         entries = ckpt.gather_entries(ckpt.write_rank_files(staging, files))
         if ctx.rank == 0:
-            spec = config_to_dict(cfg)
             manifest = ckpt.build_manifest(
                 step=step,
                 samples_seen=samples_seen,
@@ -325,7 +361,7 @@ def _save_checkpoint(
             ckpt.write_manifest(staging, manifest)
         store.commit(staging, name=ckpt.dir_name(step), metrics=metrics)
     if ctx.rank == 0:
-        ckpt.prune(run_dir, keep=cfg.checkpoint.keep)
+        ckpt.prune(checkpoints, keep=cfg.checkpoint.keep)
 
 
 def _restore(
@@ -333,8 +369,8 @@ def _restore(
     ctx: WorkerContext,
     strategy: Strategy,
     *,
-    run_dir: Path,
-    resume_from: Path | None,
+    checkpoints: Location,
+    resume_from: Location | None,
 ) -> tuple[ckpt.Checkpoint | None, list[str]]:
     """Load the newest valid checkpoint of this run (else `resume_from`) into the strategy;
     return it and the strategy's notes on what it could not restore.
@@ -344,7 +380,7 @@ def _restore(
     choice: list[str | None] = [None]
     if ctx.rank == 0:
         found = ckpt.find_start(
-            run_dir, resume_from=resume_from, on_corrupt=cfg.checkpoint.on_corrupt
+            checkpoints, resume_from=resume_from, on_corrupt=cfg.checkpoint.on_corrupt
         )
         choice[0] = str(found.path) if found else None
     if ctx.is_distributed:
@@ -352,7 +388,7 @@ def _restore(
     if choice[0] is None:
         torch.manual_seed(cfg.train.seed + 1 + ctx.rank)  # dropout differs per rank, repeatably
         return None, []
-    restored = ckpt.read(Path(choice[0]))
+    restored = ckpt.read(ckpt.location(choice[0], cfg))
     notes = strategy.load_checkpoint(restored)
     rng = ckpt.rank_file("rng", ctx.rank)
     same_layout = restored.manifest["world"]["world_size"] == ctx.world_size
