@@ -6,11 +6,14 @@ steps, steps slowed to 0.1 s so faults land mid-run), and one fault per run:
 
     worker kill      the test-only injector kills rank 1's process before step 13
     node, mid-step   a worker node is hard-killed when the driver hears of step 12
-    node, upload     ... when it hears of step 10, as checkpoint 10 is written
+    node, checkpoint ... when it hears of step 10, as checkpoint 10 is written (the
+                     save is cut when the kill lands before it is uploaded)
     store outage     the local S3 (moto) holding the checkpoints stops at step 12 for
                      12 s (DDP; checkpoints in s3://)
     resize up/down   an elastic group {min: 1, max: 3} of 2 grows to 3 when a node
                      joins, then shrinks to 1 when two are lost (DDP)
+    ps shard node    the node holding both parameter-server shards (one that does
+                     not train) is lost at step 20 (ssp, 80 steps)
 
 After a node kill a replacement node joins at once. Per run: steps lost (summed over
 restarts), recovery seconds (fault → the first completed step after it; the sum when
@@ -152,7 +155,7 @@ def fixed_rows(sim: SimulatedCluster, root: Path, only: str) -> list[dict[str, A
         faults = {
             "worker kill": None,
             "node lost mid-step": 12,
-            "node lost during checkpoint upload": EVERY * 2,
+            "node lost at a checkpoint step": EVERY * 2,
         }
         expected: dict[str, Any] | None = None
         for fault, at_step in faults.items():
@@ -217,6 +220,50 @@ def outage_row(sim: SimulatedCluster, root: Path) -> dict[str, Any]:
     result = row("object store down 12 s", "ddp", follow, summary, compare(summary, raw, expected))
     servers[-1].stop()
     return result
+
+
+def ps_row(sim: SimulatedCluster, root: Path) -> dict[str, Any]:
+    """The node holding both parameter-server shards (a node that does not train) lost
+    mid-run; a replacement joins."""
+    sim.workers(3)
+    service = sim.add_service_node(cpus=2)
+    raw = spec(root, "ps-shard-node", {})
+    raw["model"]["n_layer"] = 1
+    raw["optim"]["grad_clip"] = 0
+    raw["strategy"] = {
+        "kind": "ps",
+        "num_shards": 2,
+        "consistency": "ssp",
+        "staleness_bound": 1,
+        "checkpoint_every_updates": 4,
+    }
+    raw["train"] = {"steps": 80, "global_batch_size": 12, "micro_batch_size": 6}
+    raw["log"]["every_steps"] = 2
+    raw["faults"] = {"step_delay_s": 0.05}
+    killed: list[tuple[float, int]] = []
+    back: list[float] = []
+
+    def act(record: dict[str, Any]) -> None:
+        if "event" in record:
+            return
+        if not killed and record["step"] >= 20:
+            killed.append((time.time(), record["step"]))
+            sim.kill(service)
+            sim.add_worker()
+        elif killed and not back and record["step"] >= killed[0][1] + 4:
+            back.append(time.time())
+
+    summary = run_job(config_from_dict(raw), on_record=act)
+    lost = [f["updates_lost"] for f in summary["ps"]["shard_failures"]]
+    return {
+        "fault": "node holding both ps shards lost",
+        "strategy": "ps (ssp, 2 shards)",
+        "restarts": len(lost),
+        "steps_lost": f"{max(lost, default=0)} updates per shard",
+        "recovery_s": round(back[0] - killed[0][0], 1) if back else None,
+        "final_weights": f"n/a (ssp); held-out loss {summary['final_loss']:.3f}, "
+        f"floor {summary['entropy_floor']:.3f}",
+    }
 
 
 def elastic_rows(sim: SimulatedCluster, root: Path) -> list[dict[str, Any]]:
@@ -291,6 +338,8 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
         if not args.only or args.only in "ddp elastic resize":
             rows += elastic_rows(sim, root)
+        if not args.only or args.only in "ps shard":
+            rows.append(ps_row(sim, root))
     finally:
         ray.shutdown()
         cluster.shutdown()
