@@ -201,3 +201,24 @@ def test_set_override_with_bad_yaml_is_a_config_error(tmp_path: Path) -> None:
         load_sweep(write_sweep(tmp_path), ["optim.betas=[0.9"])
     sweep = load_sweep(write_sweep(tmp_path), ["train.steps=120"])
     assert sweep.base["train"]["steps"] == 120 and sweep.fixed == {"train.steps": 120}
+
+
+def test_trials_of_a_base_spec_with_an_object_store_keep_their_runs_locally(
+    tmp_path: Path,
+) -> None:
+    from trainstack.config import config_from_dict
+    from trainstack.sweep.runner import _trial_sweep
+
+    base = yaml.safe_load(DEMO_SPEC.read_text())
+    base["checkpoint"] = {
+        "storage_path": "s3://my-bucket/runs",
+        "storage_options": {"endpoint_override": "http://127.0.0.1:9", "scheme": "http"},
+    }
+    spec = tmp_path / "base.yaml"
+    spec.write_text(yaml.safe_dump(base))
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"name": "s", "base": str(spec), "space": {"train.seed": [1]}}))
+    sweep = load_sweep(path)
+    cfg = config_from_dict(_trial_sweep(sweep).base)  # not refused: the options went too
+    assert cfg.checkpoint.storage_path == str(sweep.sweep_dir / "runs")
+    assert cfg.checkpoint.storage_options == {}

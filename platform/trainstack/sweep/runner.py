@@ -197,10 +197,13 @@ def _trials(sweep_dir: Path) -> list[Any]:
 
 
 def _trial_sweep(sweep: SweepConfig) -> SweepConfig:
-    """The sweep as trials see it: their runs under the sweep's storage and the tracking
-    store as an absolute URI (a trial's working directory is its own)."""
+    """The sweep as trials see it: their runs under the sweep's local storage (whatever
+    the base spec's checkpoint.storage_path) and the tracking store as an absolute URI
+    (a trial's working directory is its own)."""
     runs = str(sweep.sweep_dir / "runs")
     base = set_key(sweep.base, "checkpoint.storage_path", runs, what="sweep")
+    # Local runs: an object store's options (refused with a path) do not come along.
+    base = set_key(base, "checkpoint.storage_options", {}, what="sweep")
     if base["tracking"]["backend"] != "none":
         uri = resolve_tracking_uri(base["tracking"]["uri"])
         base = set_key(base, "tracking.uri", uri, what="sweep")
