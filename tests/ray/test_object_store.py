@@ -2,6 +2,7 @@
 loses a worker, resumes from the checkpoint it verified in S3, and ends bitwise equal to
 an uninterrupted run with local checkpoints."""
 
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,10 +20,10 @@ from trainstack.runtime.local import free_port, run_processes
 
 @pytest.fixture
 def s3_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[ThreadedMotoServer]:
-    """A local S3 (moto's server on 127.0.0.1) with a bucket `ckpt`; credentials in the
-    environment (the embedded Ray's workers inherit it; a cluster's get them through
-    worker_env). Stopped and started again, it keeps its objects (they live in this
-    process)."""
+    """A local S3 (moto's server on 127.0.0.1) with an empty bucket `ckpt`; credentials
+    in the environment (the embedded Ray's workers inherit it; a cluster's get them
+    through worker_env). Stopped and started again, it keeps its objects (they live in
+    this process)."""
     for key, value in {
         "AWS_ACCESS_KEY_ID": "testing",
         "AWS_SECRET_ACCESS_KEY": "testing",
@@ -32,6 +33,8 @@ def s3_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[ThreadedMotoServer]:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{server.get_host_and_port()[1]}"
+    # moto's objects live in this process across servers: start each test from none.
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"))
     boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="ckpt")
     yield server
     server.stop()
