@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 import trainstack
 from trainstack.config import ConfigError, JobConfig, config_from_dict, config_to_dict
-from trainstack.config_fields import show
+from trainstack.config_fields import first_line, show
 from trainstack.storage import (
     Location,
     StorePath,
@@ -412,7 +412,7 @@ def _store_errors(where: Location) -> Iterator[None]:
     except OSError as err:
         if not isinstance(where, StorePath):
             raise
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        reason = first_line(err)
         raise StorageUnreachableError(
             f"{where}: the checkpoint store did not answer ({reason[:300]}); check that it is "
             "up and reachable, checkpoint.storage_options and the credentials in the "

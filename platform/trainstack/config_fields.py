@@ -166,5 +166,11 @@ def show(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of `error`'s message, or its type's name when it has none: what a
+    one-line error says of an exception from a library."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
 def got(value: object) -> str:
     return "null" if value is None else f"{show(value)} ({type(value).__name__})"

@@ -17,12 +17,13 @@ role, `GOOGLE_APPLICATION_CREDENTIALS`).
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from trainstack.config_fields import ConfigError, show
+from trainstack.config_fields import ConfigError, first_line, show
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
@@ -237,12 +238,30 @@ def check_uri(uri: str, options: Mapping[str, Any]) -> None:
     filesystem(uri, options, key=key)
 
 
+CREDENTIAL_ENV: tuple[str, ...] = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_DEFAULT_REGION",
+    "AWS_REGION",
+    "AWS_PROFILE",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+)
+"""What pyarrow's S3 and GCS filesystems read from the environment."""
+
+
+def credential_env() -> dict[str, str]:
+    """This process's `CREDENTIAL_ENV` variables, for processes that do not inherit its
+    environment (a `ray start` cluster's workers)."""
+    return {k: v for k, v in os.environ.items() if k in CREDENTIAL_ENV}
+
+
 def with_env_credentials(location: StorePath, options: Mapping[str, Any]) -> pafs.FileSystem:
     """`location`'s filesystem with this process's AWS keys (`AWS_ACCESS_KEY_ID`, ...)
     written into it, for a process that has another environment (Ray Train's controller
     has its raylet's). Any other store, or no keys in the environment: `location.fs`."""
-    import os
-
     import pyarrow.fs as pafs
 
     keys = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
@@ -276,7 +295,7 @@ def filesystem(uri: str, options: Mapping[str, Any], *, key: str) -> tuple[pafs.
         fs, fs_path = pafs.FileSystem.from_uri(uri)
         return fs, fs_path.rstrip("/")
     except (TypeError, ValueError, pyarrow.ArrowException, OSError) as err:
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        reason = first_line(err)
         raise ConfigError(
             f"{key}={show(uri)} with checkpoint.storage_options={show(dict(options))}: pyarrow "
             f"refuses it ({reason}); allowed: options of pyarrow.fs.S3FileSystem "

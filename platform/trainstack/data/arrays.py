@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from trainstack.config import ConfigError, DataConfig
+from trainstack.config_fields import first_line
 from trainstack.data.indexed import EpochOrder, IndexedCorpus
 from trainstack.data.sharding import Batch
 from trainstack.data.tokens import files_fingerprint, held_out_size
@@ -76,7 +77,7 @@ def _npz_part(path: str, *, inputs_key: str, labels_key: str, key: str) -> Array
             names = list(members.files)
             found = {k: members[k] for k in (inputs_key, labels_key) if k in names}
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
-        raise ConfigError(f"{where}: cannot be read as .npz ({_reason(e)})") from None
+        raise ConfigError(f"{where}: cannot be read as .npz ({first_line(e)})") from None
     for k in (inputs_key, labels_key):
         if k not in found:
             raise ConfigError(
@@ -101,7 +102,7 @@ def _npy_part(pair: dict[str, str], *, inputs_key: str, labels_key: str, key: st
             arrays.append(np.load(pair[stem], mmap_mode="r", allow_pickle=False))
         except (OSError, ValueError, EOFError) as e:
             raise ConfigError(
-                f"{key} file {pair[stem]}: cannot be read as .npy ({_reason(e)})"
+                f"{key} file {pair[stem]}: cannot be read as .npy ({first_line(e)})"
             ) from None
     return _checked(f"{pair[inputs_key]} and {labels_key}.npy", *arrays, key=key)
 
@@ -126,10 +127,6 @@ def _checked(where: str, inputs: np.ndarray, labels: np.ndarray, *, key: str) ->
     if len(labels) == 0:
         raise ConfigError(f"{key} file {where}: holds no samples")
     return ArrayPart(where=where, inputs=inputs, labels=labels)
-
-
-def _reason(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 class ArrayRows:

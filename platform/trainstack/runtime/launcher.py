@@ -42,7 +42,13 @@ from trainstack.runtime.capacity import (
 from trainstack.runtime.loop import train
 from trainstack.runtime.preflight import preflight
 from trainstack.runtime.progress import ProgressDisplay
-from trainstack.storage import Location, StorePath, is_store_uri, with_env_credentials
+from trainstack.storage import (
+    Location,
+    StorePath,
+    credential_env,
+    is_store_uri,
+    with_env_credentials,
+)
 from trainstack.strategies import WorkerContext
 from trainstack.telemetry import RunTelemetry
 from trainstack.tracking import Tracker, start_tracking
@@ -92,10 +98,10 @@ class FailureWatch(ray.train.UserCallback):
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
         rank, error = next(iter(sorted(worker_exceptions.items())))
-        first_line = (str(error).strip().splitlines() or [type(error).__name__])[-1]
+        last_line = _last_line(error)
         with contextlib.suppress(Exception):
             self.events.put_nowait(
-                {"event": "failure", "rank": rank, "error": first_line[:300], "time": time.time()}
+                {"event": "failure", "rank": rank, "error": last_line[:300], "time": time.time()}
             )
 
 
@@ -118,22 +124,8 @@ def worker_env(cfg: JobConfig) -> dict[str, str]:
         # Object-store credentials travel in the workers' runtime env (never in the spec,
         # which every checkpoint copies): each worker builds its own pyarrow filesystem
         # from `checkpoint.storage_options`, and pyarrow reads these from its environment.
-        env.update({k: v for k, v in os.environ.items() if k in STORE_CREDENTIAL_ENV})
+        env.update(credential_env())
     return env
-
-
-STORE_CREDENTIAL_ENV = (
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-    "AWS_DEFAULT_REGION",
-    "AWS_REGION",
-    "AWS_PROFILE",
-    "AWS_ENDPOINT_URL",
-    "AWS_ENDPOINT_URL_S3",
-    "GOOGLE_APPLICATION_CREDENTIALS",
-)
-"""What pyarrow's S3 and GCS filesystems read from the environment, passed to the workers."""
 
 
 def _quiet_report_logs() -> None:
@@ -495,12 +487,18 @@ def _failure_summary(follower: RunFollower, error: BaseException) -> str:
     steps = ", ".join(str(f["after_step"]) for f in failures) or "?"
     last = failures[-1]["error"] if failures else str(error).strip().splitlines()[-1]
     controller = getattr(error, "controller_failure", None)
-    if controller is not None:  # the controller gave up (it gets no retries): say why
-        last = (str(controller).strip().splitlines() or [type(controller).__name__])[-1]
+    if controller is not None:  # the controller gave up (out of start attempts): say why
+        last = _last_line(controller)
     return (
         f"training failed after {len(failures)} worker failure(s) "
         f"(last steps known finished before each: {steps}); last error: {last}"
     )
+
+
+def _last_line(error: BaseException) -> str:
+    """The last line of `error`'s message (Ray's errors end with what went wrong), or its
+    type's name when it has none."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[-1]
 
 
 def _drain(queue: Queue, follower: RunFollower, *, timeout: float) -> None:

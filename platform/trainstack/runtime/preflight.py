@@ -24,7 +24,7 @@ from torch import nn
 
 from trainstack import checkpoint as ckpt
 from trainstack.config import ConfigError, JobConfig
-from trainstack.config_fields import show
+from trainstack.config_fields import first_line, show
 from trainstack.data import Source, build_corpus
 from trainstack.data.paths import resolve_data
 from trainstack.models import build_model, num_params
@@ -118,7 +118,7 @@ def check_object_store(cfg: JobConfig) -> None:
         probe.write_text("")
         probe.delete_file()
     except OSError as e:
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        reason = first_line(e)
         raise ConfigError(
             f"{where}: cannot write there ({reason[:300]}); check that the store is reachable "
             "(checkpoint.storage_options endpoint_override, region, scheme) and the "
