@@ -7,6 +7,9 @@
       model/stage_00001.pt or, from a pipeline, one file per stage with that stage's weights
                            under the full model's names (merged, they are model.pt)
       optimizer.pt ...     strategy state, as the strategy lays it out
+      state/.metadata      or, from a sharded layout (fsdp, tensor parallel), model and
+      state/__0_0.distcp   optimizer state written by torch.distributed.checkpoint, each
+                           rank its own shards (sharded_checkpoint.py); any layout reads it
       rng/rank_00000.pt    RNG states (python, numpy, torch) of each rank
 
 Every file is written to a temporary name and renamed; the manifest goes last and is
@@ -38,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 import trainstack
+from trainstack import sharded_checkpoint as sharded
 from trainstack.config import ConfigError, JobConfig, config_from_dict, config_to_dict
 from trainstack.config_fields import first_line, show
 from trainstack.storage import (
@@ -54,6 +58,8 @@ from trainstack.storage import (
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+SHARDED_FOLDER = "state"
+"""Where a sharded layout's DCP state lies in a checkpoint: `{"model": ..., "optimizer": ...}`."""
 _DIR_PATTERN = re.compile(r"^checkpoint_(\d{8})$")
 
 
@@ -92,10 +98,13 @@ class Checkpoint:
         return name in self.manifest["files"]
 
     def full_weights(self) -> dict[str, Any]:
-        """The whole model's state dict: `model.pt`, or every stage file merged."""
+        """The whole model's state dict: `model.pt`, every stage file merged, or the
+        sharded state's model part read whole (no collective)."""
         if self.has("model.pt"):
             state: dict[str, Any] = self.load("model.pt")
             return state
+        if sharded.has_sharded(self, SHARDED_FOLDER):
+            return sharded.full_state(self, SHARDED_FOLDER, prefix="model")
         stages = sorted(name for name in self.manifest["files"] if name.startswith("model/"))
         if not stages:
             raise CheckpointError(f"{self.path}: no model weights (model.pt or model/stage_*)")
@@ -176,13 +185,22 @@ def write_text_atomically(path: Location, text: str) -> None:
 
 
 def write_rank_files(directory: Path, files: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Save this rank's files into `directory`; return their manifest entries."""
-    entries = {}
+    """Save this rank's files into `directory`; return their manifest entries. A
+    `ShardedState` is a folder that every rank writes its shards into (a collective)."""
+    written: list[Path] = []
     for name, obj in files.items():
-        path = directory / name
-        save_atomically(obj, path)
-        entries[name] = {"sha256": file_sha256(path), "size": path.stat().st_size}
-    return entries
+        if isinstance(obj, sharded.ShardedState):
+            written += sharded.save_sharded(directory / name, obj)
+            continue
+        save_atomically(obj, directory / name)
+        written.append(directory / name)
+    return {
+        path.relative_to(directory).as_posix(): {
+            "sha256": file_sha256(path),
+            "size": path.stat().st_size,
+        }
+        for path in written
+    }
 
 
 def gather_entries(entries: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -198,7 +198,8 @@ class OptimConfig:
 @dataclass(kw_only=True)
 class StrategyConfig:
     kind: str = "ddp"
-    """Parallelism strategy: `ddp`, `zero` (DeepSpeed ZeRO) or `pipeline`."""
+    """Parallelism strategy: `ddp`, `zero` (DeepSpeed ZeRO), `fsdp` (FSDP2 with tensor
+    parallelism on one device mesh), `pipeline` or `ps` (parameter server)."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size in MiB (> 0)."""
     stage: int = 2
@@ -206,7 +207,8 @@ class StrategyConfig:
     offload_optimizer: str = "none"
     """zero: `none` or `cpu` (optimizer state and step on the host; DeepSpeed's CPU Adam)."""
     offload_param: str = "none"
-    """zero: `none` or `cpu` (parameters on the host between uses; stage 3 only)."""
+    """zero (stage 3) and fsdp: `none` or `cpu` (parameters on the host between uses; fsdp
+    also keeps gradients there and steps the optimizer on the host)."""
     overlap_comm: bool = False
     """zero: overlap gradient reduction with the backward pass."""
     reduce_bucket_size: int = 500_000_000
@@ -222,6 +224,18 @@ class StrategyConfig:
     """pipeline: stages per rank; 0 picks the schedule's own (1 for gpipe and 1f1b, else 2)."""
     data_parallel: int = 1
     """pipeline: pipeline replicas d; scaling.num_workers must be stages × data_parallel."""
+    tensor_parallel: int = 1
+    """fsdp: tensor-parallel degree t (Megatron-style column/row-parallel attention and MLP,
+    sequence-parallel norms); must divide the heads, the width and the vocabulary."""
+    data_parallel_replicate: int = 1
+    """fsdp: replica groups r (HSDP: parameters sharded within a group, replicated across
+    groups); the shard degree is scaling.num_workers / (r × tensor_parallel)."""
+    reshard_after_forward: bool = True
+    """fsdp: free gathered parameters after each block's forward (ZeRO-3-like); false keeps
+    them until the backward (ZeRO-2-like: more memory, one all-gather less)."""
+    loss_parallel: bool = True
+    """fsdp with tensor_parallel > 1: cross-entropy on vocabulary-sharded logits, never
+    gathering the full [B, T, V] logits."""
     engine: str = "torch"
     """pipeline: `torch` (torch.distributed.pipelining) or `deepspeed` (its PipelineEngine)."""
     num_shards: int = 2
@@ -388,7 +402,17 @@ class JobConfig:
         """Model replicas that each see their own share of a step's samples."""
         if self.strategy.kind == "pipeline":
             return self.strategy.data_parallel
+        if self.strategy.kind == "fsdp":
+            return self.scaling.num_workers // self.strategy.tensor_parallel
         return self.scaling.num_workers
+
+    def data_parallel_rank(self, rank: int) -> int:
+        """The replica (data-parallel rank) that global `rank` belongs to: the ranks of one
+        pipeline (pipeline: rank = stage × d + replica) or of one tensor-parallel group
+        (fsdp: rank = replica × t + tp rank, t innermost) see the same samples."""
+        if self.strategy.kind == "fsdp":
+            return rank // self.strategy.tensor_parallel
+        return rank % self.data_parallel_size
 
     @property
     def tokens_per_sample(self) -> int:

@@ -12,6 +12,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from trainstack.config_fields import ConfigError, show
+from trainstack.config_layout import validate_mesh
 from trainstack.storage import check_uri, is_store_uri
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
 OPTIM_KINDS: tuple[str, ...] = ("adamw", "sgd")
 LR_SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
 LR_SCALINGS: tuple[str, ...] = ("none", "linear", "sqrt")
-STRATEGY_KINDS: tuple[str, ...] = ("ddp", "zero", "pipeline", "ps")
+STRATEGY_KINDS: tuple[str, ...] = ("ddp", "zero", "fsdp", "pipeline", "ps")
 PS_CONSISTENCY: tuple[str, ...] = ("async", "ssp", "bsp")
 PS_STALENESS_LR: tuple[str, ...] = ("none", "inverse")
 PIPELINE_SCHEDULES: tuple[str, ...] = (
@@ -218,6 +219,7 @@ def validate(cfg: JobConfig) -> None:
     _validate_optim(cfg.optim)
     _validate_strategy(cfg)
     _validate_pipeline(cfg)
+    validate_mesh(cfg)
     _validate_parameter_server(cfg)
     _validate_compression(cfg)
     _validate_scaling(cfg.scaling)
@@ -452,7 +454,7 @@ def _validate_strategy(cfg: JobConfig) -> None:
     _check_choice("strategy.offload_param", s.offload_param, OFFLOAD_DEVICES)
     _require("strategy.reduce_bucket_size", s.reduce_bucket_size > 0, s.reduce_bucket_size, "> 0")
     _cap("strategy.reduce_bucket_size", s.reduce_bucket_size, MAX_NUMEL)
-    if s.offload_param != "none" and s.stage != 3:
+    if s.offload_param != "none" and s.kind != "fsdp" and s.stage != 3:
         raise ConfigError(
             f"strategy.offload_param={s.offload_param} needs strategy.stage=3 "
             f"(ZeRO-3 shards parameters); got stage {s.stage}"
@@ -831,7 +833,10 @@ def _validate_cross_section(cfg: JobConfig) -> None:
     t, o = cfg.train, cfg.optim
     replicas = cfg.data_parallel_size
     per_step = t.micro_batch_size * replicas
-    what = "strategy.data_parallel" if cfg.strategy.kind == "pipeline" else "scaling.num_workers"
+    what = {
+        "pipeline": "strategy.data_parallel",
+        "fsdp": "(scaling.num_workers / strategy.tensor_parallel)",
+    }.get(cfg.strategy.kind, "scaling.num_workers")
     if t.global_batch_size % per_step and not cfg.scaling.elastic:  # elastic: micro adapts
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} is not divisible by "

@@ -141,8 +141,8 @@ def test_a_run_with_another_model_refuses_the_old_checkpoints(tmp_path: Path) ->
     raw["model"]["n_embd"] = 48
     # Compatibility is decided by parameter names and shapes, listed where they differ.
     differs = (
-        r"tensors differ: blocks\.0\.attn\.c_attn\.weight \[96, 32\] in the checkpoint, "
-        r"\[144, 48\] now"
+        r"tensors differ: blocks\.0\.attn\.c_proj\.bias \[32\] in the checkpoint, "
+        r"\[48\] now"
     )
     with pytest.raises(ckpt.CheckpointError, match=differs):
         run_processes(config_from_dict(raw), world_size=1, out_dir=tmp_path / "again")

@@ -129,7 +129,7 @@ def test_gpt_init_scales_residual_projections() -> None:
     cfg = ModelConfig(kind="gpt", n_layer=8, n_head=4, n_embd=128, block_size=16)
     params = dict(build_model(cfg, vocab_size=VOCAB, seed=0).named_parameters())
     residual = params["blocks.0.attn.c_proj.weight"].std().item()
-    other = params["blocks.0.attn.c_attn.weight"].std().item()
+    other = params["blocks.0.attn.q_proj.weight"].std().item()
     assert other == pytest.approx(0.02, rel=0.05)
     assert residual == pytest.approx(0.02 / (2 * 8) ** 0.5, rel=0.05)
     assert params["blocks.0.mlp.c_proj.weight"].std().item() == pytest.approx(residual, rel=0.05)

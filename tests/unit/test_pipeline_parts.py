@@ -77,7 +77,7 @@ def test_stage_modules_chained_equal_the_model_and_own_its_parameter_names() -> 
     assert merged.keys() == model.state_dict().keys()
     assert "tok_emb.weight" in stages[0].state_dict()
     assert "lm_head.weight" in stages[-1].state_dict()
-    assert "blocks.2.attn.c_attn.weight" in stages[2].state_dict()
+    assert "blocks.2.attn.q_proj.weight" in stages[2].state_dict()
     # Stages are copies: no tensor shares storage with the model.
     model_storage = {t.untyped_storage().data_ptr() for t in model.state_dict().values()}
     for stage in stages:

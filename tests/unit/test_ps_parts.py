@@ -139,7 +139,7 @@ def error_of(raw: dict[str, Any]) -> str:
             "strategy.staleness_bound=2 needs strategy.consistency=ssp (a clock bound) or "
             "strategy.reject_beyond_bound=true; got async",
         ),
-        ({"num_shards": 99}, "strategy.num_shards=99 is more than the model's 15 parameter"),
+        ({"num_shards": 99}, "strategy.num_shards=99 is more than the model's 17 parameter"),
         ({"consistency": "eventual"}, "strategy.consistency='eventual' is not one of async"),
         ({"consistency": "bsp", "reject_beyond_bound": True}, "bsp pushes are never stale"),
         ({"pull_every": 0}, "strategy.pull_every=0 is out of range; allowed: >= 1"),

@@ -121,7 +121,7 @@ class RayStepBatches:
             global_batch_size=g,
             micro_batch_size=cfg.train.micro_batch_size,
             world_size=w,
-            replica=ctx.rank % cfg.data_parallel_size,
+            replica=cfg.data_parallel_rank(ctx.rank),
             replicas=cfg.data_parallel_size,
             device=ctx.device,
             cursor=DataCursor(samples_seen=restored.samples_seen if restored else 0),

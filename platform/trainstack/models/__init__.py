@@ -91,15 +91,20 @@ def checkpoint_blocks(model: nn.Module, *, class_names: tuple[str, ...] = ()) ->
     Each block's forward is replaced on the instance by a bound method, which a deep
     copy (a pipeline stage) rebinds to the copy.
     """
-    if class_names:
-        blocks = [m for m in model.modules() if type(m).__name__ in class_names]
-    else:
-        layers = pipeline_layers(model) or []
-        counts = Counter(type(layer) for layer in layers)
-        blocks = [layer for layer in layers if counts[type(layer)] > 1]
+    blocks = repeated_blocks(model, class_names=class_names)
     for block in blocks:
         block.forward = types.MethodType(_checkpointed_forward, block)
     return blocks
+
+
+def repeated_blocks(model: nn.Module, *, class_names: tuple[str, ...] = ()) -> list[nn.Module]:
+    """The model's blocks: the modules whose class is named in `class_names`, else the
+    pipeline layers whose class repeats (a GPT's blocks, not its embedding or head)."""
+    if class_names:
+        return [m for m in model.modules() if type(m).__name__ in class_names]
+    layers = pipeline_layers(model) or []
+    counts = Counter(type(layer) for layer in layers)
+    return [layer for layer in layers if counts[type(layer)] > 1]
 
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -132,4 +137,5 @@ __all__ = [
     "checkpoint_blocks",
     "num_params",
     "pipeline_layers",
+    "repeated_blocks",
 ]

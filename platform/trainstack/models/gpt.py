@@ -21,25 +21,34 @@ from trainstack.config import ModelConfig
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with one projection each for queries, keys and
+    values, so a tensor-parallel rank can hold whole heads of each (column-parallel
+    `q_proj`/`k_proj`/`v_proj`, row-parallel `c_proj`): the head count is read from the
+    projections' output, which holds this rank's heads only."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         assert cfg.n_embd % cfg.n_head == 0, "n_head must divide n_embd"
-        self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
         self.dropout = cfg.dropout
         # No qkv bias: softmax ignores a key bias, so its true gradient is zero and Adam
         # would turn round-off noise in it into full-size updates.
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        # (B, T, C) -> (B, n_head, T, head_dim)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        # (B, T, heads * head_dim) -> (B, heads, T, head_dim)
+        q, k, v = (
+            proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+            for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
         dropout_p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.resid_drop(self.c_proj(y))
 
 
@@ -135,12 +144,12 @@ class GPT(nn.Module):
         """(parameters, parameter tensors) of `GPT(cfg, vocab_size)`, without building it.
 
         Embeddings (the head is tied to the token embedding) V*d + T*d, each block
-        12*d*d + 10*d (ln_1, c_attn without bias, c_proj, ln_2, c_fc, c_proj) in 11
-        tensors, and ln_f 2*d in 2.
+        12*d*d + 10*d (ln_1, q/k/v projections without bias, c_proj, ln_2, c_fc, c_proj)
+        in 13 tensors, and ln_f 2*d in 2.
         """
         d = cfg.n_embd
         numel = (vocab_size + cfg.block_size) * d + cfg.n_layer * (12 * d * d + 10 * d) + 2 * d
-        return numel, 2 + 11 * cfg.n_layer + 2
+        return numel, 2 + 13 * cfg.n_layer + 2
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token, forward + backward (PaLM appendix B, as in nanoGPT).

@@ -77,8 +77,11 @@ def model_state(cfg: JobConfig, params: int) -> ModelState:
     without momentum). ZeRO shards over the N workers as in the README's ZeRO table
     (DeepSpeed 0.19.8's allocations): training-dtype (e bytes) parameters (stage 3: /N)
     and gradients (stages 2, 3: /N), and an fp32 master copy plus the optimizer state
-    /N. A pipeline rank holds 1/stages of the model (an even split); a parameter-server
-    worker holds weights and gradients, and its shards the weights and optimizer state.
+    /N. fsdp holds 1/(s × t) of fp32 weights, gradients and optimizer state (the shard
+    degree s = N / (r × t), tensor parallelism t; the few replicated norms not counted),
+    all of it on the host with offload. A pipeline rank holds 1/stages of the model (an
+    even split); a parameter-server worker holds weights and gradients, and its shards
+    the weights and optimizer state.
     """
     o, optim = _optimizer_bytes(cfg)
     s, n = cfg.strategy, cfg.scaling.num_workers
@@ -94,6 +97,11 @@ def model_state(cfg: JobConfig, params: int) -> ModelState:
             offloaded += state
         if s.offload_param != "none":
             offloaded += weights
+    elif s.kind == "fsdp":  # a tp shard's fp32 weights, grads and state, split over s
+        shard = s.tensor_parallel * (n // (s.tensor_parallel * s.data_parallel_replicate))
+        per_worker = (2 * FP32_BYTES + o) * params // shard
+        if s.offload_param != "none":
+            offloaded += per_worker
     elif s.kind == "ps":
         per_worker = 2 * FP32_BYTES * params
         elsewhere = (FP32_BYTES + o) * params

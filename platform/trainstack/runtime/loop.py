@@ -176,7 +176,7 @@ def train(
             seq_len=seq_len,
             global_batch_size=cfg.train.global_batch_size,
             micro_batch_size=cfg.train.micro_batch_size,
-            rank=ctx.rank % replicas,
+            rank=cfg.data_parallel_rank(ctx.rank),
             world_size=replicas,
             cursor=DataCursor(samples_seen=restored.samples_seen if restored else 0),
         )
@@ -229,7 +229,7 @@ def train(
             count=cfg.data.eval_samples,
             seq_len=seq_len,
             micro_batch_size=cfg.train.micro_batch_size,
-            rank=ctx.rank % replicas,
+            rank=cfg.data_parallel_rank(ctx.rank),
             world_size=replicas,
         )
         return strategy.evaluate(batches).metrics(task)

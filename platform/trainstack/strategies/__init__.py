@@ -7,12 +7,14 @@ from collections.abc import Callable
 from trainstack.config import JobConfig
 from trainstack.strategies.base import StepOutput, Strategy, WorkerContext
 from trainstack.strategies.ddp import DDPStrategy
+from trainstack.strategies.fsdp import FSDPStrategy
 from trainstack.strategies.pipeline import PipelineStrategy
 from trainstack.strategies.zero import ZeROStrategy
 
 STRATEGIES: dict[str, Callable[[JobConfig, WorkerContext], Strategy]] = {
     "ddp": DDPStrategy,
     "zero": ZeROStrategy,
+    "fsdp": FSDPStrategy,
     "pipeline": lambda cfg, ctx: _pipeline(cfg, ctx),
 }
 

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainstack.checkpoint import Checkpoint, rank_file
+from trainstack import sharded_checkpoint as sharded
+from trainstack.checkpoint import SHARDED_FOLDER, Checkpoint, rank_file
 from trainstack.compression import CompressionState, register_compression
 from trainstack.config import JobConfig
 from trainstack.data.sharding import Batch
@@ -149,6 +150,14 @@ class DDPStrategy:
         assert self.optimizer is not None and self.scheduler is not None, "setup() first"
         self.unwrapped_model().load_state_dict(checkpoint.full_weights())
         notes = self._load_compression(checkpoint)
+        if sharded.has_sharded(checkpoint, SHARDED_FOLDER):  # a sharded layout's optimizer
+            model = self.unwrapped_model()
+            sharded.load_optimizer_by_name(checkpoint, SHARDED_FOLDER, model, self.optimizer)
+            if checkpoint.has("scheduler.pt"):
+                self.scheduler.load_state_dict(checkpoint.load("scheduler.pt"))
+            else:
+                fast_forward_schedule(self.scheduler, step=checkpoint.step)
+            return notes
         same_kind = checkpoint.manifest.get("strategy") == self.name
         if not (same_kind and checkpoint.has("optimizer.pt") and checkpoint.has("scheduler.pt")):
             fast_forward_schedule(self.scheduler, step=checkpoint.step)

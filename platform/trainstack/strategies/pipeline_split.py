@@ -305,7 +305,7 @@ class StageModule(nn.Module):
     `forward` applies them in order; it takes the previous stage's output as one
     argument, or a tuple's items as several (as torch's PipelineStage passes them).
     `state_dict()` and `load_state_dict()` use the full model's keys
-    (`blocks.3.attn.c_attn.weight`), so stage state dicts merge into the model's.
+    (`blocks.3.attn.q_proj.weight`), so stage state dicts merge into the model's.
     """
 
     def __init__(self, model: nn.Module, layers: Sequence[nn.Module], held: range) -> None:

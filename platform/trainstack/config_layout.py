@@ -1,0 +1,100 @@
+"""Checks of a `strategy.kind: fsdp` layout: the mesh `[dp_replicate, dp_shard, tp]`
+must tile the workers, and tensor parallelism must divide the model it cuts.
+
+Pure Python, run with the rest of the spec's validation (`config_checks.validate`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from trainstack.config_fields import ConfigError
+
+if TYPE_CHECKING:
+    from trainstack.config import JobConfig
+
+TENSOR_PARALLEL_MODELS: tuple[str, ...] = ("gpt",)
+"""Model kinds with a tensor-parallel plan (`strategies/tensor_parallel.py`)."""
+MAX_DEGREE = 4096
+
+
+def validate_mesh(cfg: JobConfig) -> None:
+    """Raise ConfigError for a mesh layout that cannot run."""
+    s = cfg.strategy
+    for key, value in (
+        ("strategy.tensor_parallel", s.tensor_parallel),
+        ("strategy.data_parallel_replicate", s.data_parallel_replicate),
+    ):
+        if not 1 <= value <= MAX_DEGREE:
+            raise ConfigError(f"{key}={value} is out of range; allowed: 1 to {MAX_DEGREE}")
+    if s.kind != "fsdp":
+        if s.tensor_parallel != 1 or s.data_parallel_replicate != 1:
+            raise ConfigError(
+                f"strategy.tensor_parallel={s.tensor_parallel} and "
+                f"strategy.data_parallel_replicate={s.data_parallel_replicate} lay out a device "
+                f"mesh, which strategy.kind={s.kind} does not use; set strategy.kind=fsdp, or "
+                "leave both at 1"
+            )
+        return
+    _validate_tiling(cfg)
+    _validate_tensor_parallel(cfg)
+    _validate_companions(cfg)
+
+
+def _validate_tiling(cfg: JobConfig) -> None:
+    s, workers = cfg.strategy, cfg.scaling.num_workers
+    r, t = s.data_parallel_replicate, s.tensor_parallel
+    if workers % (r * t):
+        raise ConfigError(
+            f"scaling.num_workers={workers} must be a multiple of "
+            f"strategy.data_parallel_replicate × strategy.tensor_parallel = {r} × {t} = {r * t} "
+            "(the mesh is replicate × shard × tensor-parallel, and the shard degree is what "
+            "is left)"
+        )
+
+
+def _validate_tensor_parallel(cfg: JobConfig) -> None:
+    t, m = cfg.strategy.tensor_parallel, cfg.model
+    if t == 1:
+        return
+    if m.kind not in TENSOR_PARALLEL_MODELS:
+        raise ConfigError(
+            f"strategy.tensor_parallel={t} needs a tensor-parallel plan for the model's layers; "
+            f"model.kind={m.kind} has none (allowed: {', '.join(TENSOR_PARALLEL_MODELS)}), or "
+            "use strategy.tensor_parallel=1 (fsdp alone shards any model)"
+        )
+    sizes = (
+        ("model.n_head", m.n_head, "heads are split whole"),
+        ("model.n_embd", m.n_embd, "the width is split"),
+        ("data.vocab_size", cfg.data.vocab_size, "the embedding and LM head are split by token"),
+        ("model.block_size", m.block_size, "sequence parallelism splits the sequence"),
+    )
+    for key, value, why in sizes:
+        if value % t:
+            raise ConfigError(
+                f"{key}={value} is not divisible by strategy.tensor_parallel={t} ({why}); "
+                f"allowed: a tensor_parallel that divides {value}, or a {key} that is a "
+                f"multiple of {t}"
+            )
+
+
+def _validate_companions(cfg: JobConfig) -> None:
+    s = cfg.strategy
+    if s.offload_optimizer != "none":
+        raise ConfigError(
+            f"strategy.offload_optimizer={s.offload_optimizer} is DeepSpeed ZeRO's; with "
+            "strategy.kind=fsdp use strategy.offload_param=cpu (FSDP2 then keeps parameters, "
+            "gradients and the optimizer step on the host)"
+        )
+    if cfg.compression.kind != "none":
+        raise ConfigError(
+            f"compression.kind={cfg.compression.kind} compresses DDP's gradient all-reduce; "
+            "strategy.kind=fsdp reduce-scatters gradients instead (allowed: none, or "
+            "strategy.kind=ddp)"
+        )
+    if cfg.data.kind == "ray" and s.tensor_parallel > 1:
+        raise ConfigError(
+            f"data.kind=ray with strategy.tensor_parallel={s.tensor_parallel}: Ray Data's "
+            "shards are per worker, and tensor-parallel ranks must see the same rows; use an "
+            "indexed source (markov, tokens, text, arrays, ...) or tensor_parallel=1"
+        )

@@ -1,0 +1,322 @@
+"""FSDP2 with tensor parallelism on one device mesh (`strategy.kind: fsdp`).
+
+Applied in torchtitan's order: tensor parallelism over `tp` (tensor_parallel.py), then
+activation checkpointing (`build_model` already made the blocks recompute), then
+`fully_shard` on every repeated block and on the root, over `dp_shard` (or the 2D
+`[dp_replicate, dp_shard]` mesh: HSDP). FSDP2 all-gathers a block's parameters before
+its forward (again before its backward when `reshard_after_forward`) and
+reduce-scatters its gradients; HSDP adds an all-reduce of the shards over the replicas.
+
+One step: micro-batches accumulate with gradient sync off until the last; the global
+gradient norm is taken over the DTensor gradients wherever their shards lie; the
+optimizer steps on each rank's shards. Checkpoints hold the model and optimizer as
+sharded DCP state (`sharded_checkpoint.py`), which any mesh (and, through full weights,
+any other strategy) loads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import loss_parallel
+
+from trainstack import sharded_checkpoint as sharded
+from trainstack.checkpoint import SHARDED_FOLDER, Checkpoint
+from trainstack.config import JobConfig
+from trainstack.data.sharding import Batch
+from trainstack.models import repeated_blocks
+from trainstack.optim import build_optimizer, build_scheduler, scaled_lr
+from trainstack.strategies.base import (
+    StepOutput,
+    WorkerContext,
+    fast_forward_schedule,
+    storage_bytes,
+    tensors_in,
+)
+from trainstack.strategies.mesh import Meshes, MeshLayout, build_meshes
+from trainstack.strategies.tensor_parallel import apply_tensor_parallel
+from trainstack.tasks import EvalSums, build_task, eval_mode, evaluate
+
+
+class FSDPStrategy:
+    name = "fsdp"
+
+    def __init__(self, cfg: JobConfig, ctx: WorkerContext) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.layout = MeshLayout.of(cfg)
+        self.meshes: Meshes | None = None
+        self.model: nn.Module = nn.Identity()
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.task = build_task(cfg)
+        self._peak_grad_bytes = 0
+        self._tp_local_numel = 0
+
+    # ---- set-up ------------------------------------------------------------------
+
+    def setup(self, model: nn.Module) -> None:
+        model.to(self.ctx.device)
+        if self.ctx.is_distributed:
+            self.meshes = build_meshes(self.layout, device_type=self.ctx.device.type)
+            if self.layout.tp > 1:
+                apply_tensor_parallel(
+                    model, self.meshes.tp, loss_parallel=self.cfg.strategy.loss_parallel
+                )
+            self._tp_local_numel = sum(_local(p).numel() for p in model.parameters())
+            if self.layout.data_parallel > 1:
+                self._shard(model, self.meshes)
+        else:
+            self._tp_local_numel = sum(p.numel() for p in model.parameters())
+        self.model = model
+        lr = scaled_lr(self.cfg.optim, data_parallel_size=self.layout.data_parallel)
+        self.optimizer = build_optimizer(model, self.cfg.optim, lr=lr)
+        self.scheduler = build_scheduler(
+            self.optimizer, self.cfg.optim, total_steps=self.cfg.train.steps
+        )
+
+    def _shard(self, model: nn.Module, meshes: Meshes) -> None:
+        """fully_shard each repeated block, then the root (what the blocks leave)."""
+        s = self.cfg.strategy
+        bf16 = self.cfg.train.precision == "bf16"
+        options: dict[str, Any] = {
+            "mesh": meshes.fsdp,
+            "reshard_after_forward": s.reshard_after_forward,
+            "mp_policy": MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32
+            ),
+            "offload_policy": CPUOffloadPolicy(pin_memory=self.ctx.device.type == "cuda")
+            if s.offload_param == "cpu"
+            else OffloadPolicy(),
+        }
+        for block in repeated_blocks(model, class_names=self.cfg.model.checkpoint_modules):
+            fully_shard(block, **options)
+        fully_shard(model, **options)
+
+    def unwrapped_model(self) -> nn.Module:
+        """The model itself: FSDP2 and tensor parallelism shard it in place (its parameters
+        are DTensors; `checkpoint_files` saves them whole through DCP)."""
+        return self.model
+
+    # ---- training ----------------------------------------------------------------
+
+    def _uses_loss_parallel(self) -> bool:
+        return self.layout.tp > 1 and self.ctx.is_distributed and self.cfg.strategy.loss_parallel
+
+    def _compute_context(self) -> contextlib.ExitStack:
+        """loss_parallel (vocabulary-sharded cross-entropy) and bf16 autocast where FSDP's
+        mixed-precision policy does not already cast."""
+        stack = contextlib.ExitStack()
+        if self._uses_loss_parallel():
+            stack.enter_context(loss_parallel())
+        sharded_by_fsdp = isinstance(self.model, FSDPModule)
+        if self.cfg.train.precision == "bf16" and not sharded_by_fsdp:
+            stack.enter_context(torch.autocast(self.ctx.device.type, dtype=torch.bfloat16))
+        return stack
+
+    def train_step(self, micro_batches: list[Batch]) -> StepOutput:
+        assert self.optimizer is not None and self.scheduler is not None, "setup() first"
+        accum = len(micro_batches)
+        total = torch.zeros((), device=self.ctx.device)
+        for i, (x, y) in enumerate(micro_batches):
+            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+            if isinstance(self.model, FSDPModule):  # reduce gradients after the last only
+                self.model.set_requires_gradient_sync(i == accum - 1)
+            with self._compute_context():
+                loss = self.task.loss(self.model(x), y, inputs=x)
+                (loss / accum).backward()
+            self._peak_grad_bytes = max(self._peak_grad_bytes, self._held_grad_bytes())
+            total += _local(loss.detach())
+        grad_norm = clip_grad_norm(list(self.model.parameters()), self.cfg.optim.grad_clip)
+        lr = float(self.scheduler.get_last_lr()[0])
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepOutput(loss=total / accum, grad_norm=grad_norm, lr=lr)
+
+    def _held_grad_bytes(self) -> int:
+        grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        return storage_bytes(grads)
+
+    # ---- evaluation and reductions -------------------------------------------------
+
+    def evaluate(self, batches: list[Batch]) -> EvalSums:
+        restore = eval_mode([self.model])
+
+        def forward(x: torch.Tensor) -> Any:
+            with self._compute_context():
+                logits = self.model(x)
+            return logits.full_tensor() if isinstance(logits, DTensor) else logits
+
+        sums = evaluate(self.task, forward, batches, device=self.ctx.device)
+        restore()
+        if self.meshes is not None:  # replicas add theirs; a tp group holds one copy
+            dist.all_reduce(sums, group=self.meshes.data_parallel_group)
+        return EvalSums.of(sums)
+
+    def global_mean(self, value: torch.Tensor) -> float:
+        value = _local(value.detach()).to(self.ctx.device, torch.float64).clone()
+        if self.meshes is not None:
+            dist.all_reduce(value, group=self.meshes.data_parallel_group)
+        return float(value) / self.layout.data_parallel
+
+    def comm_bytes_per_step(self) -> int:
+        """Modelled bytes this rank sends per step (ring collectives): FSDP's parameter
+        all-gathers (two with `reshard_after_forward`) and gradient reduce-scatter over s,
+        HSDP's all-reduce over r, and tensor parallelism's all-gathers and
+        reduce-scatters of the residual stream (4 per block forward, 4 backward)."""
+        layout, cfg = self.layout, self.cfg
+        s, r, t = layout.dp_shard, layout.dp_replicate, layout.tp
+        param_bytes = self._tp_local_numel * 4
+        gathers = 2 if cfg.strategy.reshard_after_forward else 1
+        fsdp = (gathers + 1) * (s - 1) * param_bytes // s
+        hsdp = 2 * (r - 1) * param_bytes // (s * r)
+        tp = 0
+        if t > 1 and cfg.model.kind == "gpt":
+            stream = cfg.train.global_batch_size // layout.data_parallel
+            activation = stream * cfg.model.block_size * cfg.model.n_embd * 4
+            tp = 8 * cfg.model.n_layer * (t - 1) * activation // t
+        return fsdp + hsdp + tp
+
+    # ---- checkpoints -------------------------------------------------------------
+
+    def checkpoint_files(self) -> dict[str, Any]:
+        """Model and optimizer as sharded DCP state (every rank its shards); rank 0 adds
+        the LR schedule."""
+        assert self.optimizer is not None and self.scheduler is not None, "setup() first"
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        state = sharded.ShardedState({"model": model_state, "optimizer": optimizer_state})
+        files: dict[str, Any] = {SHARDED_FOLDER: state}
+        if self.ctx.rank == 0:
+            files["scheduler.pt"] = self.scheduler.state_dict()
+        return files
+
+    def load_checkpoint(self, checkpoint: Checkpoint) -> list[str]:
+        assert self.optimizer is not None and self.scheduler is not None, "setup() first"
+        if not sharded.has_sharded(checkpoint, SHARDED_FOLDER):
+            return self._load_full_weights(checkpoint)
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        sharded.load_sharded(
+            checkpoint, SHARDED_FOLDER, {"model": model_state, "optimizer": optimizer_state}
+        )  # in place
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=model_state,
+            optim_state_dict=optimizer_state,
+        )
+        if checkpoint.has("scheduler.pt"):
+            self.scheduler.load_state_dict(checkpoint.load("scheduler.pt"))
+        else:
+            fast_forward_schedule(self.scheduler, step=checkpoint.step)
+        return []
+
+    def _load_full_weights(self, checkpoint: Checkpoint) -> list[str]:
+        """Another strategy's portable weights, dealt to this layout's shards; DDP's
+        optimizer state too (whole, indexed like this optimizer's parameters)."""
+        assert self.optimizer is not None and self.scheduler is not None
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.model, checkpoint.full_weights(), options=options)
+        source = checkpoint.manifest.get("strategy")
+        if source != "ddp" or not checkpoint.has("optimizer.pt"):
+            fast_forward_schedule(self.scheduler, step=checkpoint.step)
+            return [f"optimizer state re-initialised (the checkpoint is from {source})"]
+        by_name = optimizer_state_by_name(
+            checkpoint.load("optimizer.pt"), self.optimizer, self.model
+        )
+        set_optimizer_state_dict(self.model, self.optimizer, by_name, options=options)
+        self.scheduler.load_state_dict(checkpoint.load("scheduler.pt"))
+        return []
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """This rank's shards: parameters, gradients (the most held after any backward) and
+        optimizer state, measured from the local parts of the DTensors."""
+        assert self.optimizer is not None, "setup() first"
+        return {
+            "params": storage_bytes(_local(p.data) for p in self.model.parameters()),
+            "grads": self._peak_grad_bytes,
+            "optimizer": storage_bytes(_local(t) for t in tensors_in(self.optimizer.state)),
+        }
+
+    def portable_weights(self) -> dict[str, torch.Tensor]:
+        """Whole weights on every rank (a collective), e.g. for a test or an export."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(self.model, options=options)
+        return {name: value for name, value in weights.items() if isinstance(value, torch.Tensor)}
+
+
+def optimizer_state_by_name(
+    state: dict[str, Any], optimizer: torch.optim.Optimizer, model: nn.Module
+) -> dict[str, Any]:
+    """A whole optimizer state dict indexed by position (`Optimizer.state_dict()` of the
+    same model with the same parameter groups) keyed by parameter name instead."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    ordered = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    groups = []
+    for group in state["param_groups"]:
+        groups.append({**group, "params": [ordered[i] for i in group["params"]]})
+    by_name = {ordered[i]: value for i, value in state["state"].items()}
+    return {"state": by_name, "param_groups": groups}
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
+    """The global gradient norm over every shard of every gradient, before clipping; scales
+    the gradients to `max_norm` when it is above (`max_norm` 0: no clipping), as
+    `torch.nn.utils.clip_grad_norm_` does for whole tensors."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = math.sqrt(sum(_squared_norms(grads)))
+    scale = max_norm / (total + 1e-6)
+    if max_norm and scale < 1:
+        for grad in grads:
+            grad.mul_(scale)
+    return total
+
+
+def _squared_norms(grads: list[torch.Tensor]) -> list[float]:
+    """Sum of squares of each group of gradients sharded alike, reduced over the mesh
+    dimensions they are sharded on: one all-reduce per group and dimension, where a
+    DTensor norm would take one per gradient."""
+    groups: dict[tuple[DeviceMesh, tuple[int, ...]], torch.Tensor] = {}
+    plain = torch.zeros((), dtype=torch.float64)
+    for grad in grads:
+        if not isinstance(grad, DTensor):
+            plain += grad.detach().double().pow(2).sum().cpu()
+            continue
+        if any(p.is_partial() for p in grad.placements):  # pending sums: finish them first
+            grad = grad.redistribute(
+                placements=[Replicate() if p.is_partial() else p for p in grad.placements]
+            )
+        dims = tuple(i for i, p in enumerate(grad.placements) if not p.is_replicate())
+        local = grad.to_local().detach().double().pow(2).sum()
+        key = (grad.device_mesh, dims)
+        groups[key] = groups[key] + local if key in groups else local
+    for (mesh, dims), squares in groups.items():
+        for dim in dims:
+            dist.all_reduce(squares, group=mesh.get_group(dim))
+    return [float(plain), *(float(squares) for squares in groups.values())]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
