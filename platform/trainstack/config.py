@@ -223,10 +223,12 @@ class StrategyConfig:
     virtual_stages: int = 0
     """pipeline: stages per rank; 0 picks the schedule's own (1 for gpipe and 1f1b, else 2)."""
     data_parallel: int = 1
-    """pipeline: pipeline replicas d; scaling.num_workers must be stages × data_parallel."""
+    """pipeline: pipeline replicas d; scaling.num_workers must be stages × data_parallel
+    × tensor_parallel."""
     tensor_parallel: int = 1
-    """fsdp: tensor-parallel degree t (Megatron-style column/row-parallel attention and MLP,
-    sequence-parallel norms); must divide the heads, the width and the vocabulary."""
+    """fsdp, and pipeline (torch engine, GPT): tensor-parallel degree t (Megatron-style
+    column/row-parallel attention and MLP, sequence-parallel norms); must divide the
+    heads, the width, the vocabulary and the sequence."""
     data_parallel_replicate: int = 1
     """fsdp: replica groups r (HSDP: parameters sharded within a group, replicated across
     groups); the shard degree is scaling.num_workers / (r × tensor_parallel)."""
@@ -408,10 +410,10 @@ class JobConfig:
 
     def data_parallel_rank(self, rank: int) -> int:
         """The replica (data-parallel rank) that global `rank` belongs to: the ranks of one
-        pipeline (pipeline: rank = stage × d + replica) or of one tensor-parallel group
-        (fsdp: rank = replica × t + tp rank, t innermost) see the same samples."""
-        if self.strategy.kind == "fsdp":
-            return rank // self.strategy.tensor_parallel
+        pipeline and of one tensor-parallel group see the same samples (pipeline: rank =
+        (stage × d + replica) × t + tp rank; fsdp: rank = replica × t + tp rank)."""
+        if self.strategy.kind in ("fsdp", "pipeline"):
+            return (rank // self.strategy.tensor_parallel) % self.data_parallel_size
         return rank % self.data_parallel_size
 
     @property

@@ -218,8 +218,8 @@ def validate(cfg: JobConfig) -> None:
     _validate_train(cfg.train)
     _validate_optim(cfg.optim)
     _validate_strategy(cfg)
-    _validate_pipeline(cfg)
     validate_mesh(cfg)
+    _validate_pipeline(cfg)
     _validate_parameter_server(cfg)
     _validate_compression(cfg)
     _validate_scaling(cfg.scaling)
@@ -489,10 +489,11 @@ def _validate_pipeline(cfg: JobConfig) -> None:
             "strategy.kind=pipeline cuts a model into its pipeline layers; model.kind=mlp has "
             "none (use gpt, hf, or a custom model with pipeline_layers())"
         )
-    if cfg.scaling.num_workers != p * d:
+    t = s.tensor_parallel
+    if cfg.scaling.num_workers != p * d * t:
         raise ConfigError(
             f"scaling.num_workers={cfg.scaling.num_workers} must equal strategy.stages × "
-            f"strategy.data_parallel = {p} × {d} = {p * d}"
+            f"strategy.data_parallel × strategy.tensor_parallel = {p} × {d} × {t} = {p * d * t}"
         )
     if cfg.train.precision != "fp32":
         raise ConfigError(

@@ -13,8 +13,9 @@ from trainstack.config_fields import ConfigError
 if TYPE_CHECKING:
     from trainstack.config import JobConfig
 
-TENSOR_PARALLEL_MODELS: tuple[str, ...] = ("gpt",)
-"""Model kinds with a tensor-parallel plan (`strategies/tensor_parallel.py`)."""
+TENSOR_PARALLEL_MODELS: tuple[str, ...] = ("gpt", "hf")
+"""Model kinds with a tensor-parallel plan (`strategies/tensor_parallel.py`; hf: llama,
+its sizes checked in pre-flight on the built model)."""
 MAX_DEGREE = 4096
 
 
@@ -27,6 +28,9 @@ def validate_mesh(cfg: JobConfig) -> None:
     ):
         if not 1 <= value <= MAX_DEGREE:
             raise ConfigError(f"{key}={value} is out of range; allowed: 1 to {MAX_DEGREE}")
+    if s.kind == "pipeline":
+        _validate_pipeline_tensor_parallel(cfg)
+        return
     if s.kind != "fsdp":
         if s.tensor_parallel != 1 or s.data_parallel_replicate != 1:
             raise ConfigError(
@@ -39,6 +43,29 @@ def validate_mesh(cfg: JobConfig) -> None:
     _validate_tiling(cfg)
     _validate_tensor_parallel(cfg)
     _validate_companions(cfg)
+
+
+def _validate_pipeline_tensor_parallel(cfg: JobConfig) -> None:
+    """A pipeline's stages may be tensor-parallel: the torch engine, the GPT."""
+    s = cfg.strategy
+    if s.data_parallel_replicate != 1:
+        raise ConfigError(
+            f"strategy.data_parallel_replicate={s.data_parallel_replicate} is for "
+            "strategy.kind=fsdp; a pipeline's replicas are strategy.data_parallel"
+        )
+    if s.tensor_parallel == 1:
+        return
+    if s.engine != "torch" or cfg.model.kind != "gpt":
+        raise ConfigError(
+            f"strategy.tensor_parallel={s.tensor_parallel} inside a pipeline needs "
+            f"strategy.engine=torch and model.kind=gpt (got {s.engine}, {cfg.model.kind})"
+        )
+    _validate_tensor_parallel(cfg)
+    if cfg.data.kind == "ray":
+        raise ConfigError(
+            f"data.kind=ray with strategy.tensor_parallel={s.tensor_parallel}: tensor-parallel "
+            "ranks must see the same rows; use an indexed source or tensor_parallel=1"
+        )
 
 
 def _validate_tiling(cfg: JobConfig) -> None:
@@ -63,6 +90,8 @@ def _validate_tensor_parallel(cfg: JobConfig) -> None:
             f"model.kind={m.kind} has none (allowed: {', '.join(TENSOR_PARALLEL_MODELS)}), or "
             "use strategy.tensor_parallel=1 (fsdp alone shards any model)"
         )
+    if m.kind != "gpt":
+        return
     sizes = (
         ("model.n_head", m.n_head, "heads are split whole"),
         ("model.n_embd", m.n_embd, "the width is split"),

@@ -93,6 +93,55 @@ def load_optimizer_by_name(
     set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optimizer"])
 
 
+def optimizer_state_by_parameter(
+    checkpoint: Checkpoint, folder: str, params: list[tuple[nn.Parameter, tuple[str, ...]]]
+) -> tuple[dict[nn.Parameter, dict[str, Any]], list[str]]:
+    """The sharded state's optimizer state of each parameter in `params` (given with the
+    model's names for it: a tied one has several), read into tensors placed like the
+    parameter: this rank's part of a tensor-parallel one. A collective when distributed
+    (every rank calls it, each with its own parameters). Returns the states, and the
+    names of the parameters the checkpoint holds no state for."""
+    with _readable(checkpoint, folder) as path:
+        reader = dcp.FileSystemReader(path)
+        saved = reader.read_metadata().state_dict_metadata
+        template: dict[str, dict[str, Any]] = {}
+        owners: dict[str, list[nn.Parameter]] = {}
+        missing: list[str] = []
+        for param, names in params:
+            found = [(n, _saved_entry(saved, n)) for n in names]
+            name, entry = next(((n, e) for n, e in found if e), (names[0], {}))
+            if not entry:
+                missing.append(name)
+                continue
+            template.setdefault(name, {k: _like(param, meta) for k, meta in entry.items()})
+            owners.setdefault(name, []).append(param)
+        with _single_process_is_intended():
+            dcp.load({"optimizer": {"state": template}}, storage_reader=reader)
+    states = {
+        param: {k: v.clone() for k, v in template[name].items()}
+        for name, held in owners.items()
+        for param in held
+    }
+    return states, missing
+
+
+def _saved_entry(saved: dict[str, Any], name: str) -> dict[str, TensorStorageMetadata]:
+    lead = f"optimizer.state.{name}."
+    return {
+        key[len(lead) :]: meta
+        for key, meta in saved.items()
+        if key.startswith(lead) and isinstance(meta, TensorStorageMetadata)
+    }
+
+
+def _like(param: nn.Parameter, meta: TensorStorageMetadata) -> torch.Tensor:
+    """An empty tensor for a saved optimizer tensor: placed like `param` if it has the
+    parameter's shape (a moment), else whole (a step count)."""
+    if tuple(meta.size) == tuple(param.shape):
+        return torch.zeros_like(param, dtype=meta.properties.dtype)
+    return torch.zeros(meta.size, dtype=meta.properties.dtype)
+
+
 @contextmanager
 def _single_process_is_intended() -> Iterator[None]:
     """Without a process group DCP warns that it assumes one process: here it is meant."""

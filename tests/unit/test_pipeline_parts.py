@@ -309,7 +309,8 @@ def test_pipeline_layout_resolves_virtual_stages_and_replicas() -> None:
     [
         (
             {"stages": 3},
-            "scaling.num_workers=2 must equal strategy.stages × strategy.data_parallel = 3 × 1 = 3",
+            "scaling.num_workers=2 must equal strategy.stages × strategy.data_parallel × "
+            "strategy.tensor_parallel = 3 × 1 × 1 = 3",
         ),
         ({"stages": 1}, "strategy.stages=1 is out of range; allowed: >= 2 (one stage: use ddp)"),
         ({"schedule": "zb"}, "strategy.schedule='zb' is not one of gpipe, 1f1b"),

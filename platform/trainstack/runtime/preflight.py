@@ -61,6 +61,10 @@ def preflight(cfg: JobConfig) -> PreflightReport:
         check_pipeline_model(cfg, model)
     if cfg.strategy.kind == "ps":
         check_shards(cfg, model)
+    if cfg.strategy.kind == "fsdp":
+        from trainstack.strategies.tensor_parallel import check_tensor_parallel
+
+        check_tensor_parallel(model, cfg.strategy.tensor_parallel)
     return PreflightReport(
         cfg=cfg,
         data_fingerprint=corpus.fingerprint,

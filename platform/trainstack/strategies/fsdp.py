@@ -111,8 +111,8 @@ class FSDPStrategy:
             if s.offload_param == "cpu"
             else OffloadPolicy(),
         }
-        for block in repeated_blocks(model, class_names=self.cfg.model.checkpoint_modules):
-            fully_shard(block, **options)
+        for unit in sharding_units(model, class_names=self.cfg.model.checkpoint_modules):
+            fully_shard(unit, **options)
         fully_shard(model, **options)
 
     def unwrapped_model(self) -> nn.Module:
@@ -265,6 +265,25 @@ class FSDPStrategy:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         weights = get_model_state_dict(self.model, options=options)
         return {name: value for name, value in weights.items() if isinstance(value, torch.Tensor)}
+
+
+def sharding_units(model: nn.Module, *, class_names: tuple[str, ...]) -> list[nn.Module]:
+    """The model's repeated blocks as modules of its own tree, each one FSDP unit. A
+    pipeline layer that only wraps the model's modules (a Llama decoder layer with the
+    shared rotary embedding) gives the wrapped modules that hold parameters: the root's
+    `fully_shard` must find every unit among its submodules."""
+    registered = {id(m) for m in model.modules()}
+    units: list[nn.Module] = []
+    for block in repeated_blocks(model, class_names=class_names):
+        if id(block) in registered:
+            units.append(block)
+            continue
+        units += [
+            child
+            for child in block.children()
+            if id(child) in registered and next(child.parameters(), None) is not None
+        ]
+    return units
 
 
 def optimizer_state_by_name(

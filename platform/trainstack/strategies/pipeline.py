@@ -1,11 +1,19 @@
-"""Pipeline parallelism on torch.distributed.pipelining, alone or × data parallel (2D).
+"""Pipeline parallelism on torch.distributed.pipelining, alone, × data parallel, and ×
+tensor parallel.
 
 Layout: `p = strategy.stages` pipeline ranks times `d = strategy.data_parallel`
-replicas; global rank = pp_rank × d + dp_rank. Each replica is a pipeline over the
-ranks sharing its dp_rank; ranks sharing a pp_rank hold the same stages and average
-their gradients. The model is cut along its pipeline layers into p × v stages
-(pipeline_split.py) and placed by the schedule's style; torch's `PipelineStage` infers
-the activations' shapes from the first micro-batch. One step: the replica's batch goes
+replicas times `t = strategy.tensor_parallel` tensor-parallel ranks; global rank =
+(pp_rank × d + dp_rank) × t + tp_rank, on one `[pp, dp, tp]` mesh. Each replica is a
+pipeline over the ranks sharing its dp_rank; ranks sharing a pp_rank hold the same
+stages and average their gradients. With t > 1 every stage's layers are tensor
+parallel (tensor_parallel.py): each tp rank runs its own pipeline over its shards and
+passes its share of the sequence to the same tp rank of the next stage; the gradient
+steps below run on each rank's shards (a tied weight's shards are summed over the
+stages, the norm adds the tp ranks' shares).
+
+The model is cut along its pipeline layers into p × v stages (pipeline_split.py) and
+placed by the schedule's style; torch's `PipelineStage` infers the activations' shapes
+from the first micro-batch. One step: the replica's batch goes
 through the schedule as `strategy.microbatches` micro-batches, the task's loss on the
 last stage; then gradients are made whole and the optimizer steps on every rank:
 
@@ -37,9 +45,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import schedules
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from trainstack.checkpoint import Checkpoint, rank_file, stage_file
+from trainstack import sharded_checkpoint as sharded
+from trainstack.checkpoint import SHARDED_FOLDER, Checkpoint, rank_file, stage_file
 from trainstack.config import JobConfig, config_from_dict
 from trainstack.data.sharding import Batch
 from trainstack.optim import build_optimizer, build_scheduler, scaled_lr
@@ -61,6 +72,7 @@ from trainstack.strategies.pipeline_probe import (
     torch_schedule_orders,
 )
 from trainstack.strategies.pipeline_split import (
+    ModelNames,
     PipelineGrid,
     StageModule,
     TiedParameter,
@@ -73,6 +85,7 @@ from trainstack.strategies.pipeline_split import (
     stage_ranks,
     tied_parameters,
 )
+from trainstack.strategies.tensor_parallel import apply_tensor_parallel_to_layers
 from trainstack.tasks import EvalSums, build_task, eval_mode, evaluate
 
 SCHEDULES: dict[str, tuple[Callable[..., schedules._PipelineSchedule], str]] = {
@@ -110,6 +123,7 @@ class PipelineStrategy:
         self.grid = PipelineGrid.of(cfg, rank=ctx.rank)
         self.pp_size, self.dp_size = self.grid.pp_size, self.grid.dp_size
         self.pp_rank, self.dp_rank = self.grid.pp_rank, self.grid.dp_rank
+        self.tp_mesh: DeviceMesh | None = None
         self.num_stages = s.stages * cfg.pipeline_virtual_stages
         self.style = SCHEDULES[s.schedule][1]
         self.owners = stage_ranks(
@@ -121,6 +135,8 @@ class PipelineStrategy:
         self.stages: list[ProbedStage] = []
         self.ties: list[LocalTie] = []
         self.tie_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self._aliases: dict[str, tuple[str, ...]] = {}
+        """The model's state-dict key -> every key of the same tensor (a tie has two)."""
         self._uncounted: set[int] = set()
         """ids of this rank's tied copies that the grad norm skips (counted elsewhere)."""
         self.schedule: schedules._PipelineSchedule | None = None
@@ -136,23 +152,23 @@ class PipelineStrategy:
 
     def _build_groups(self, ties: list[TiedParameter]) -> None:
         """Every rank creates every group, in the same order (torch.distributed's rule):
-        the pipelines, the replicas, and one group per set of ranks some tie spans."""
-        p, d = self.pp_size, self.dp_size
-        for j in range(d):
-            group = dist.new_group([i * d + j for i in range(p)])
-            if j == self.dp_rank:
-                self.pp_group = group
-        for i in range(p):
-            group = dist.new_group([i * d + j for j in range(d)])
-            if i == self.pp_rank:
-                self.dp_group = group
+        the `[pp, dp, tp]` mesh (its pipelines, replicas and tensor-parallel groups), and
+        per tensor-parallel rank one group per set of pipeline ranks some tie spans."""
+        p, d, t = self.pp_size, self.dp_size, self.grid.tp_size
+        mesh = init_device_mesh(self.ctx.device.type, (p, d, t), mesh_dim_names=("pp", "dp", "tp"))
+        self.pp_group = mesh.get_group("pp")
+        self.dp_group = mesh.get_group("dp")
+        self.tp_mesh = mesh["tp"]
+        at = self.grid.global_rank
         for ranks in dict.fromkeys(self._tie_ranks(tie) for tie in ties):
             if len(ranks) == 1:
                 continue
             for j in range(d):
-                group = dist.new_group([r * d + j for r in ranks])
-                if j == self.dp_rank and self.pp_rank in ranks:
-                    self.tie_groups[ranks] = group
+                for k in range(t):
+                    group = dist.new_group([at(pp_rank=r, dp_rank=j, tp_rank=k) for r in ranks])
+                    mine = (j, k) == (self.dp_rank, self.grid.tp_rank)
+                    if mine and self.pp_rank in ranks:
+                        self.tie_groups[ranks] = group
 
     def _tie_ranks(self, tie: TiedParameter) -> tuple[int, ...]:
         return tuple(sorted({self.owners[s] for s in tie.stages}))
@@ -170,15 +186,23 @@ class PipelineStrategy:
     def setup(self, model: nn.Module) -> None:
         check_pipeline_model(self.cfg, model)
         layers = model_layers(model)
+        self._aliases = {
+            key: tuple(keys) for keys in ModelNames.of(model).tensors.values() for key in keys
+        }
         split = split_stages(layers, self.num_stages)
         self.split_description = split.describe()
         ties = tied_parameters(model, layers, split)
         self._build_groups(ties)
         for s in self.stage_ids:
             self.modules[s] = StageModule(model, layers, split.layers[s]).to(self.ctx.device)
+            if self.grid.tp_size > 1:
+                assert self.tp_mesh is not None
+                apply_tensor_parallel_to_layers(list(self.modules[s].layers.values()), self.tp_mesh)
             self.boundaries[s] = BoundaryMeter(self.modules[s])
         self._hold_ties(ties)
-        params = {p.untyped_storage().data_ptr() for p in self.unwrapped_model().parameters()}
+        params = {
+            _local(p).untyped_storage().data_ptr() for p in self.unwrapped_model().parameters()
+        }
         self.stages = [
             ProbedStage(
                 module,
@@ -237,7 +261,8 @@ class PipelineStrategy:
         start = time.perf_counter()
         self.schedule.step(*args, target=y if self.holds_last else None, losses=losses)
         self._record_step_time(time.perf_counter() - start)
-        grads = [p.grad for p in self._params() if p.grad is not None]
+        _place_like_parameters(self._params())
+        grads = [_local(p.grad) for p in self._params() if p.grad is not None]
         self._peak_grad_bytes = max(self._peak_grad_bytes, storage_bytes(grads))
         self._sum_tied_gradients()
         self._average_over_replicas()
@@ -278,7 +303,7 @@ class PipelineStrategy:
     def _average_over_replicas(self) -> None:
         if self.dp_size == 1:
             return
-        grads = [p.grad for p in self._params() if p.grad is not None]
+        grads = [_local(p.grad) for p in self._params() if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.dp_group)
         flat /= self.dp_size
@@ -288,18 +313,28 @@ class PipelineStrategy:
             offset += g.numel()
 
     def _clip_gradients(self) -> float:
-        """Clip by the norm of the whole model's gradient, as `clip_grad_norm_` would."""
+        """Clip by the norm of the whole model's gradient, as `clip_grad_norm_` would: a
+        tie counts once, a tensor-parallel shard adds its tp ranks' shares."""
         squares = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        sharded = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
         for p in self._params():
-            if p.grad is not None and id(p) not in self._uncounted:  # a tie counts once
-                squares += p.grad.float().pow(2).sum()
+            if p.grad is None or id(p) in self._uncounted:
+                continue
+            if isinstance(p.grad, DTensor) and not p.grad.placements[0].is_replicate():
+                sharded += _local(p.grad).float().pow(2).sum()
+            else:
+                squares += _local(p.grad).float().pow(2).sum()
+        if self.grid.tp_size > 1:
+            assert self.tp_mesh is not None
+            dist.all_reduce(sharded, group=self.tp_mesh.get_group())
+            squares += sharded
         dist.all_reduce(squares, group=self.pp_group)
         norm = squares.sqrt()
         if self.cfg.optim.grad_clip:
             coef = torch.clamp(self.cfg.optim.grad_clip / (norm + 1e-6), max=1.0)
             for p in self._params():
                 if p.grad is not None:
-                    p.grad.mul_(coef)
+                    _local(p.grad).mul_(coef)
         return float(norm)
 
     # ---- evaluation and reductions ------------------------------------------------------
@@ -311,6 +346,8 @@ class PipelineStrategy:
         restore = eval_mode(self.modules.values())
         sums = evaluate(self.task, self._eval_forward, batches, device=self.ctx.device)
         restore()
+        if self.grid.tp_rank != 0:  # its tp group holds the same sums: count them once
+            sums.zero_()
         dist.all_reduce(sums)
         return EvalSums.of(sums)
 
@@ -327,7 +364,8 @@ class PipelineStrategy:
         return act if self.holds_last else None
 
     def global_mean(self, value: torch.Tensor) -> float:
-        return last_stage_mean(value, holds_last=self.holds_last, replicas=self.dp_size)
+        counted = self.holds_last and self.grid.tp_rank == 0  # one rank per tp group
+        return last_stage_mean(value, holds_last=counted, replicas=self.dp_size)
 
     def comm_bytes_per_step(self) -> int:
         """Modelled: activations out and their gradients back across every stage boundary
@@ -339,7 +377,7 @@ class PipelineStrategy:
                 activations += self.boundaries[s].output_bytes
             if s > 0 and self.owners[s - 1] != self.pp_rank:
                 activations += self.boundaries[s].input_grad_bytes
-        numel = sum(p.numel() for p in self._params())
+        numel = sum(_local(p).numel() for p in self._params())
         replicas = ring_allreduce_bytes(numel, element_size=4, world_size=self.dp_size)
         tied = sum(
             ring_allreduce_bytes(local.tie.numel, element_size=4, world_size=len(local.ranks))
@@ -349,9 +387,10 @@ class PipelineStrategy:
 
     def layout_notes(self) -> list[str]:
         s = self.cfg.strategy
+        tp = f" × tensor parallel {self.grid.tp_size}" if self.grid.tp_size > 1 else ""
         return [
             f"pipeline ({s.engine}, {s.schedule}): {self.pp_size} ranks × {self.dp_size} "
-            f"replicas, {self.num_stages} stages, {s.microbatches} micro-batches per step",
+            f"replicas{tp}, {self.num_stages} stages, {s.microbatches} micro-batches per step",
             self.split_description,
         ]
 
@@ -361,6 +400,7 @@ class PipelineStrategy:
         mine = {
             "pp_rank": self.pp_rank,
             "dp_rank": self.dp_rank,
+            "tp_rank": self.grid.tp_rank,
             "busy_s": busy,
             "step_s": self._step_s,
             "activation_peak_bytes": {s.stage_index: s.meter.peak_bytes for s in self.stages},
@@ -397,33 +437,62 @@ class PipelineStrategy:
     # ---- state --------------------------------------------------------------------------
 
     def checkpoint_files(self) -> dict[str, Any]:
-        """Replica 0's ranks write their stages' weights and their optimizer state; rank 0
-        the LR schedule. Replicas are identical, so the others write nothing."""
+        """Replica 0's ranks write their stages' whole weights (tp rank 0, once its tp
+        group has gathered them) and their optimizer state (each tp rank its shards);
+        rank 0 the LR schedule. Replicas are identical, so the others write nothing."""
         assert self.optimizer is not None and self.scheduler is not None, "setup() first"
         if self.dp_rank != 0:
             return {}
-        files: dict[str, Any] = {
-            stage_file(s): self.modules[s].state_dict() for s in self.stage_ids
-        }
-        files[rank_file("optimizer", self.pp_rank)] = self.optimizer.state_dict()
+        stages = {s: _whole(self.modules[s].state_dict()) for s in self.stage_ids}
+        files: dict[str, Any] = {}
+        if self.grid.tp_rank == 0:
+            files = {stage_file(s): state for s, state in stages.items()}
+        files[self._optimizer_file()] = _local_state(self.optimizer.state_dict())
         if self.ctx.rank == 0:
             files["scheduler.pt"] = self.scheduler.state_dict()
         return files
+
+    def _optimizer_file(self) -> str:
+        return rank_file("optimizer", self.pp_rank * self.grid.tp_size + self.grid.tp_rank)
 
     def load_checkpoint(self, checkpoint: Checkpoint) -> list[str]:
         assert self.optimizer is not None and self.scheduler is not None, "setup() first"
         reason = self._why_not_exact(checkpoint)
         if reason is None:
             for s in self.stage_ids:
-                self.modules[s].load_state_dict(checkpoint.load(stage_file(s)))
-            self.optimizer.load_state_dict(checkpoint.load(rank_file("optimizer", self.pp_rank)))
+                _load_whole(self.modules[s], checkpoint.load(stage_file(s)))
+            state = checkpoint.load(self._optimizer_file())
+            self.optimizer.load_state_dict(_shards_like(state, self.optimizer))
             self.scheduler.load_state_dict(checkpoint.load("scheduler.pt"))
             return []
         full = checkpoint.full_weights()
         for module in self.modules.values():
-            module.load_state_dict({name: full[name] for name in module.state_dict()})
+            _load_whole(module, {name: full[name] for name in module.state_dict()})
+        if sharded.has_sharded(checkpoint, SHARDED_FOLDER):  # a mesh layout's, by name
+            self.scheduler.load_state_dict(checkpoint.load("scheduler.pt"))
+            lrs = self.scheduler.get_last_lr()
+            for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+                group["lr"] = lr  # the schedule's state does not set it
+            return self._load_optimizer_by_name(checkpoint)
         fast_forward_schedule(self.scheduler, step=checkpoint.step)
         return [f"optimizer state re-initialised ({reason})"]
+
+    def _load_optimizer_by_name(self, checkpoint: Checkpoint) -> list[str]:
+        """Adam's (or SGD's) state of each parameter this rank holds, from a sharded
+        checkpoint keyed by the model's names (resharded to this rank's part); notes for
+        parameters it has none for."""
+        assert self.optimizer is not None
+        params = []
+        for module in self.modules.values():
+            own = dict(module.named_parameters())
+            for key, names in module.model_names.items():
+                if key in own:  # every name of the tensor: a tie's state is under one
+                    aliases = (n for name in names for n in self._aliases.get(name, (name,)))
+                    params.append((own[key], tuple(dict.fromkeys(aliases))))
+        states, missing = sharded.optimizer_state_by_parameter(checkpoint, SHARDED_FOLDER, params)
+        for param, state in states.items():
+            self.optimizer.state[param] = state
+        return [f"optimizer state re-initialised for {', '.join(missing)}"] if missing else []
 
     def _why_not_exact(self, checkpoint: Checkpoint) -> str | None:
         """Why the checkpoint's stage files and optimizer state do not fit this layout."""
@@ -431,6 +500,11 @@ class PipelineStrategy:
         if source != self.name:
             return f"the checkpoint is from {source}"
         saved = config_from_dict(checkpoint.manifest["spec"])
+        if saved.strategy.tensor_parallel != self.grid.tp_size:
+            return (
+                f"the checkpoint's stages are split {saved.strategy.tensor_parallel}-way "
+                f"tensor parallel, this run's {self.grid.tp_size}-way"
+            )
         layout = (saved.strategy.stages, saved.pipeline_virtual_stages)
         mine = (self.pp_size, self.cfg.pipeline_virtual_stages)
         if layout != mine or SCHEDULES[saved.strategy.schedule][1] != self.style:
@@ -446,19 +520,90 @@ class PipelineStrategy:
     def model_state_bytes(self) -> dict[str, int]:
         assert self.optimizer is not None, "setup() first"
         return {
-            "params": storage_bytes(p.data for p in self._params()),
+            "params": storage_bytes(_local(p.data) for p in self._params()),
             "grads": self._peak_grad_bytes,
-            "optimizer": storage_bytes(tensors_in(self.optimizer.state)),
+            "optimizer": storage_bytes(_local(t) for t in tensors_in(self.optimizer.state)),
         }
 
 
 def _grad_of(param: nn.Parameter) -> torch.Tensor:
-    return param.grad if param.grad is not None else torch.zeros_like(param)
+    """This rank's part of `param`'s gradient (zeros if it has none)."""
+    return _local(param.grad) if param.grad is not None else torch.zeros_like(_local(param))
 
 
 def _set_grads(copies: tuple[nn.Parameter, ...], total: torch.Tensor) -> None:
+    """Give every copy the gradient `total` (this rank's part of it)."""
     for c in copies:
         if c.grad is None:
-            c.grad = total.clone()
+            grad = total.clone()
+            if isinstance(c, DTensor):
+                c.grad = DTensor.from_local(grad, c.device_mesh, c.placements)
+            else:
+                c.grad = grad
         else:
-            c.grad.copy_(total)
+            _local(c.grad).copy_(total)
+
+
+def _place_like_parameters(params: list[nn.Parameter]) -> None:
+    """Give each tensor-parallel gradient its parameter's placement (DTensor may leave an
+    embedding's as a whole replicated tensor), so that this rank's part of a gradient is
+    the part of the parameter it holds."""
+    for p in params:
+        param: Any = p  # a DTensor parameter
+        grad = p.grad
+        if not (isinstance(param, DTensor) and isinstance(grad, DTensor)):
+            continue
+        if grad.placements != param.placements:
+            p.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _whole(state: dict[str, Any]) -> dict[str, Any]:
+    """A state dict with whole tensors (a DTensor gathered over its mesh: a collective)."""
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+
+
+def _load_whole(module: nn.Module, state: dict[str, Any]) -> None:
+    """Load whole tensors into `module`, whose tensor-parallel parameters keep this rank's
+    part of each (cut locally, without communication)."""
+    mine = module.state_dict()
+    module.load_state_dict(
+        {
+            name: distribute_tensor(
+                value, mine[name].device_mesh, mine[name].placements, src_data_rank=None
+            )
+            if isinstance(mine.get(name), DTensor)
+            else value
+            for name, value in state.items()
+        }
+    )
+
+
+def _local_state(state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict with this rank's parts of DTensor states (saveable and
+    loadable with weights_only)."""
+    return {
+        **state,
+        "state": {
+            index: {k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+            for index, entry in state["state"].items()
+        },
+    }
+
+
+def _shards_like(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """`_local_state`'s output as DTensors again, placed like the parameters they belong to."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    restored = {}
+    for index, entry in state["state"].items():
+        param = params[index]
+        restored[index] = {
+            k: DTensor.from_local(v, param.device_mesh, param.placements)
+            if isinstance(param, DTensor) and isinstance(v, torch.Tensor) and v.dim() > 0
+            else v
+            for k, v in entry.items()
+        }
+    return {**state, "state": restored}

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
 
 
 class SavedActivationMeter:
@@ -45,7 +46,8 @@ class SavedActivationMeter:
             yield
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        storage = tensor.untyped_storage()
+        held = tensor.to_local() if isinstance(tensor, DTensor) else tensor  # its own part
+        storage = held.untyped_storage()
         key = storage.data_ptr()
         if key in self.exclude or storage.nbytes() == 0:
             return tensor
@@ -120,11 +122,13 @@ def _nbytes(tensor: torch.Tensor) -> int:
 def first_replica_figures(
     mine: dict[str, Any], *, world_size: int
 ) -> tuple[list[dict[str, Any]], list[float]]:
-    """Every rank's `mine` (with `pp_rank`, `dp_rank`, `busy_s`, `step_s`) gathered: replica
-    0's in pipeline order, and each one's bubble, 1 - busy/step. A collective."""
+    """Every rank's `mine` (with `pp_rank`, `dp_rank`, `busy_s`, `step_s`, optionally
+    `tp_rank`) gathered: replica 0's (tp rank 0's) in pipeline order, and each one's
+    bubble, 1 - busy/step. A collective."""
     everyone: list[Any] = [None] * world_size
     dist.all_gather_object(everyone, mine)
-    replica0 = sorted((r for r in everyone if r["dp_rank"] == 0), key=lambda r: r["pp_rank"])
+    firsts = (r for r in everyone if r["dp_rank"] == 0 and r.get("tp_rank", 0) == 0)
+    replica0 = sorted(firsts, key=lambda r: r["pp_rank"])
     bubbles = [1.0 - r["busy_s"] / r["step_s"] if r["step_s"] else math.nan for r in replica0]
     return replica0, bubbles
 

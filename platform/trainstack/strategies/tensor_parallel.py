@@ -14,15 +14,25 @@ vocabulary and stays tied to the token embedding (both hold rows of the same [V,
 table, sharded the same way). With `loss_parallel` the logits stay vocabulary-sharded
 and cross-entropy runs on the shards (`torch.distributed.tensor.parallel.loss_parallel`).
 
-Plans exist for trainstack's GPT (`config_layout.TENSOR_PARALLEL_MODELS`); the spec's
-checks refuse other models and sizes the degree does not divide before anything starts.
+A Hugging Face Llama (`model.kind: hf`, model_type llama) gets the same column/row
+split of its attention (grouped key/value heads included) and SwiGLU MLP, without
+sequence parallelism: its rotary embeddings are computed from the sequence a layer
+sees, so the residual stream stays whole on every rank (one all-reduce after each
+row-parallel layer) and its RMSNorm weights are replicated DTensors.
+
+The spec's checks (`config_layout`) refuse other models and GPT sizes the degree does
+not divide before anything starts; pre-flight checks a Llama's sizes on the built model
+(`check_tensor_parallel`).
 """
 
 from __future__ import annotations
 
+from typing import Any, cast
+
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -32,16 +42,127 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from trainstack.models.gpt import GPT
+from trainstack.config import ConfigError
+from trainstack.models.gpt import GPT, Block, GPTEmbedding, GPTHead
+from trainstack.models.hf import HFCausalLM
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:
     """Shard `model`'s layers over `tp_mesh` in place (its parameters become DTensors)."""
-    assert isinstance(model, GPT), "config_layout admits tensor parallelism for the GPT only"
+    if isinstance(model, HFCausalLM):
+        _parallelize_llama(model, tp_mesh, loss_parallel=loss_parallel)
+        return
+    assert isinstance(model, GPT), "config_layout admits tensor parallelism for GPT and hf"
     parallelize_module(model, tp_mesh, gpt_model_plan(loss_parallel=loss_parallel))
     for block in model.blocks:
         parallelize_module(block, tp_mesh, gpt_block_plan())
     model.lm_head.weight = model.tok_emb.weight  # each side was distributed apart: re-tie
+
+
+def apply_tensor_parallel_to_layers(layers: list[nn.Module], tp_mesh: DeviceMesh) -> None:
+    """Shard a pipeline stage's GPT layers (embedding, blocks, head) over `tp_mesh` in
+    place. A stage passes its sequence shard to the next (each tensor-parallel rank runs
+    its own pipeline); the head gathers whole logits for the schedule's loss. Parameters
+    the layers shared before (a tied embedding and head on one stage) stay shared."""
+    shared = _shared_parameters(layers)
+    for layer in layers:
+        if isinstance(layer, GPTEmbedding):
+            plan = {key: gpt_model_plan(loss_parallel=False)[key] for key in ("tok_emb", "pos_emb")}
+        elif isinstance(layer, GPTHead):
+            plan = {key: gpt_model_plan(loss_parallel=False)[key] for key in ("ln_f", "lm_head")}
+        else:
+            assert isinstance(layer, Block), f"no tensor-parallel plan for {type(layer).__name__}"
+            plan = gpt_block_plan()
+        parallelize_module(layer, tp_mesh, plan)
+    for uses in shared:
+        first = uses[0][0].get_parameter(uses[0][1])
+        for module, name in uses[1:]:
+            setattr(module, name, first)
+
+
+def _shared_parameters(layers: list[nn.Module]) -> list[list[tuple[nn.Module, str]]]:
+    """Each parameter used under more than one name: its (owning module, attribute) pairs."""
+    uses: dict[int, list[tuple[nn.Module, str]]] = {}
+    for layer in layers:
+        for module in layer.modules():
+            for name, param in module.named_parameters(recurse=False):
+                uses.setdefault(id(param), []).append((module, name))
+    return [pairs for pairs in uses.values() if len(pairs) > 1]
+
+
+def check_tensor_parallel(model: nn.Module, degree: int) -> None:
+    """Raise ConfigError unless `degree` divides every size a Llama's plan splits (a GPT's
+    sizes are checked with the spec)."""
+    if degree == 1 or not isinstance(model, HFCausalLM):
+        return
+    if model.family != "llama":
+        raise ConfigError(
+            f"strategy.tensor_parallel={degree} has a plan for the hf model_type llama; "
+            f"{model.family} has none (use strategy.tensor_parallel=1)"
+        )
+    config = model.config
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        value = getattr(config, key)
+        if value % degree:
+            raise ConfigError(
+                f"model.hf.{key}={value} is not divisible by strategy.tensor_parallel={degree}; "
+                f"allowed: a tensor_parallel that divides {value}"
+            )
+
+
+def _parallelize_llama(model: HFCausalLM, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:
+    body = model.get_submodule("model")
+    parallelize_module(
+        body,
+        tp_mesh,
+        {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())},
+    )
+    _replicate(body.get_submodule("norm"), tp_mesh)
+    for layer in cast(nn.ModuleList, body.get_submodule("layers")):
+        parallelize_module(layer, tp_mesh, llama_layer_plan())
+        _replicate(layer.get_submodule("input_layernorm"), tp_mesh)
+        _replicate(layer.get_submodule("post_attention_layernorm"), tp_mesh)
+    parallelize_module(model, tp_mesh, {"lm_head": _vocabulary_head(loss_parallel, Replicate())})
+    if model.config.tie_word_embeddings:
+        model.get_submodule("lm_head").weight = body.get_submodule("embed_tokens").weight
+
+
+def llama_layer_plan() -> dict[str, ParallelStyle]:
+    """A Llama decoder layer: column-parallel q/k/v and gate/up, row-parallel o and down."""
+    return {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+
+
+def _replicate(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """`module`'s parameters as replicated DTensors over `tp_mesh`, taking and returning
+    plain tensors (every rank holds the whole activation)."""
+
+    def to_replicated(_: nn.Module, inputs: Any, mesh: DeviceMesh) -> Any:
+        return tuple(
+            DTensor.from_local(x, mesh, [Replicate()]) if isinstance(x, torch.Tensor) else x
+            for x in inputs
+        )
+
+    def to_local(_: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
+        return output.to_local() if isinstance(output, DTensor) else output
+
+    distribute_module(module, tp_mesh, input_fn=to_replicated, output_fn=to_local)
+
+
+def _vocabulary_head(loss_parallel: bool, input_layout: Replicate | Shard) -> ColwiseParallel:
+    """The LM head split by vocabulary: logits stay sharded for `loss_parallel`."""
+    return ColwiseParallel(
+        input_layouts=input_layout,
+        output_layouts=Shard(-1) if loss_parallel else Replicate(),
+        use_local_output=not loss_parallel,
+    )
 
 
 def gpt_model_plan(*, loss_parallel: bool) -> dict[str, ParallelStyle]:
@@ -51,11 +172,7 @@ def gpt_model_plan(*, loss_parallel: bool) -> dict[str, ParallelStyle]:
         # positions [T] -> [T, C]: each rank gets the rows of its own share of the sequence
         "pos_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
         "ln_f": SequenceParallel(),
-        "lm_head": ColwiseParallel(
-            input_layouts=Shard(1),
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        ),
+        "lm_head": _vocabulary_head(loss_parallel, Shard(1)),
     }
 
 

@@ -1,6 +1,7 @@
-"""FSDP2 and tensor parallelism on one device mesh: every layout trains what one process
-trains, resumes bitwise after a killed worker, and hands its sharded checkpoint to
-another layout (optimizer state included) that continues as if nothing had changed."""
+"""Layouts on one device mesh (FSDP2, HSDP, tensor parallel, and pipelines with tensor-
+parallel stages): every layout trains what one process trains, resumes bitwise after a
+killed worker, and hands its checkpoint to another layout (optimizer state included)
+that continues as if nothing had changed."""
 
 import json
 from pathlib import Path
@@ -14,6 +15,8 @@ from trainstack.config import config_from_dict
 from trainstack.runtime.capacity import model_state
 from trainstack.runtime.local import run_processes
 
+from user_model_specs import MODELS
+
 STEPS = 10
 LAYOUTS = {  # name: (workers, strategy)
     "ddp1": (1, {"kind": "ddp"}),
@@ -22,12 +25,25 @@ LAYOUTS = {  # name: (workers, strategy)
     "tp2": (2, {"kind": "fsdp", "tensor_parallel": 2}),
     "tp2xdp2": (4, {"kind": "fsdp", "tensor_parallel": 2}),
     "hsdp2x2": (4, {"kind": "fsdp", "data_parallel_replicate": 2}),
+    "pp2xtp2": (4, {"kind": "pipeline", "stages": 2, "tensor_parallel": 2, "microbatches": 2}),
+    "pp2xdp2xtp2": (
+        8,
+        {
+            "kind": "pipeline",
+            "stages": 2,
+            "data_parallel": 2,
+            "tensor_parallel": 2,
+            "microbatches": 2,
+        },
+    ),
 }
 
 
 def spec(layout: str, storage: Path, **extra: Any) -> dict[str, Any]:
     workers, strategy = LAYOUTS[layout]
     replicas = workers // strategy.get("tensor_parallel", 1)
+    if strategy["kind"] == "pipeline":  # a replica's batch in micro-batches of 16 / (d × m)
+        replicas = strategy.get("data_parallel", 1) * strategy["microbatches"] // 2
     return {
         "name": f"mesh-{layout}",
         "model": {"kind": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16},
@@ -52,6 +68,12 @@ def train(
     return torch.load(out / "model.pt", weights_only=True), summary
 
 
+LLAMA = {  # a Hugging Face Llama with grouped key/value heads, at lr 3e-3
+    **MODELS["llama"],
+    "optim": {"lr": 3e-3, "warmup_steps": 2, "grad_clip": 1.0, "weight_decay": 0.1},
+}
+
+
 class Runs:
     """Each layout's uninterrupted run, trained once for the module."""
 
@@ -59,10 +81,13 @@ class Runs:
         self.root = root
         self.done: dict[str, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
 
-    def __call__(self, layout: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        if layout not in self.done:
-            self.done[layout] = train(self.root / layout, layout)
-        return self.done[layout]
+    def __call__(
+        self, layout: str, *, llama: bool = False
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        key = f"{layout}-llama" if llama else layout
+        if key not in self.done:
+            self.done[key] = train(self.root / key, layout, **(LLAMA if llama else {}))
+        return self.done[key]
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +105,17 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     return max((a[n] - b[n]).abs().max().item() for n in a)
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "tp2", "tp2xdp2", "hsdp2x2"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "fsdp2",
+        "tp2",
+        "tp2xdp2",
+        "hsdp2x2",
+        "pp2xtp2",
+        pytest.param("pp2xdp2xtp2", marks=pytest.mark.slow),  # 8 processes on 2 cores
+    ],
+)
 def test_mesh_layout_matches_one_process_after_10_adamw_steps(
     runs: Runs, tmp_path: Path, reference: dict[str, torch.Tensor], layout: str
 ) -> None:
@@ -88,7 +123,18 @@ def test_mesh_layout_matches_one_process_after_10_adamw_steps(
     assert max_difference(weights, reference) < 1e-5
     initial = _initial_weights(tmp_path)
     assert max_difference(reference, initial) > 1e-2, "training did not move the weights"
-    assert summary["strategy"] == "fsdp" and summary["world_size"] == LAYOUTS[layout][0]
+    assert summary["strategy"] == LAYOUTS[layout][1]["kind"]
+    assert summary["world_size"] == LAYOUTS[layout][0]
+
+
+def test_llama_under_tp2_x_fsdp2_matches_one_process(runs: Runs) -> None:
+    """Column/row-parallel attention with grouped key/value heads and a SwiGLU MLP, no
+    sequence parallelism (rotary embeddings need the whole sequence), sharded by FSDP."""
+    reference, _ = runs("ddp1", llama=True)
+    weights, _ = runs("tp2xdp2", llama=True)
+    assert max_difference(weights, reference) < 1e-5
+    initial = _initial_weights(Path(), **LLAMA)
+    assert max_difference(reference, initial) > 1e-2, "training did not move the weights"
 
 
 def test_fsdp_memory_per_rank_is_the_formulas_share(runs: Runs, tmp_path: Path) -> None:
@@ -104,14 +150,15 @@ def test_fsdp_memory_per_rank_is_the_formulas_share(runs: Runs, tmp_path: Path) 
     assert held["params"] == pytest.approx(fp32_weights / 4, rel=0.02)
 
 
-def test_tp2xdp2_resume_after_a_killed_worker_is_bitwise_identical(
-    runs: Runs, tmp_path: Path
+@pytest.mark.parametrize("layout", ["tp2xdp2", "pp2xtp2"])
+def test_resume_after_a_killed_worker_is_bitwise_identical(
+    runs: Runs, tmp_path: Path, layout: str
 ) -> None:
-    uninterrupted, _ = runs("tp2xdp2")
+    uninterrupted, _ = runs(layout)
     faults = {"kill_at_steps": [6], "rank": 3}
     with pytest.raises(Exception, match="exit code 17"):
-        train(tmp_path / "killed", "tp2xdp2", faults=faults)
-    resumed, summary = train(tmp_path / "killed", "tp2xdp2", faults=faults)
+        train(tmp_path / "killed", layout, faults=faults)
+    resumed, summary = train(tmp_path / "killed", layout, faults=faults)
     assert summary["resumed_from_step"] == 5  # killed in step 6, saved after every step
     for name, weight in uninterrupted.items():
         assert torch.equal(resumed[name], weight), name
@@ -120,10 +167,10 @@ def test_tp2xdp2_resume_after_a_killed_worker_is_bitwise_identical(
 def test_sharded_checkpoints_reshard_across_layouts_with_their_optimizer_state(
     runs: Runs, tmp_path: Path, reference: dict[str, torch.Tensor]
 ) -> None:
-    """tp2×dp2 → fsdp 4 → ddp 1 → tp2 → hsdp 2×2, each hop resuming the previous run's
+    """tp2×dp2 → fsdp 4 → ddp 1 → tp2 → pp2×tp2, each hop resuming the previous run's
     checkpoint at a later step. Adam's moments must come through each hop: restarted
     moments would move every weight by about the learning rate (1e-2) at once."""
-    chain = [("tp2xdp2", 0), ("fsdp4", 3), ("ddp1", 5), ("tp2", 7), ("hsdp2x2", 8)]
+    chain = [("tp2xdp2", 0), ("fsdp4", 3), ("ddp1", 5), ("tp2", 7), ("pp2xtp2", 8)]
     runs("tp2xdp2")
     previous = runs.root / "tp2xdp2" / "runs" / "mesh-tp2xdp2"
     for layout, start in chain[1:]:
@@ -145,9 +192,9 @@ def _start_notes(out: Path) -> list[str]:
     raise AssertionError("no start event")
 
 
-def _initial_weights(tmp_path: Path) -> dict[str, torch.Tensor]:
+def _initial_weights(tmp_path: Path, **extra: Any) -> dict[str, torch.Tensor]:
     from trainstack.models import build_model
 
-    cfg = config_from_dict(spec("ddp1", tmp_path))
+    cfg = config_from_dict(spec("ddp1", tmp_path, **extra))
     model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.train.seed)
     return model.state_dict()
