@@ -7,8 +7,9 @@ Every layout trains the same GPT (4 × 128, Ψ = 808,192) on the same global bat
 weight from one process (DDP on 1 worker). Memory is what rank 0 holds (parameters,
 gradients, optimizer state), measured from its tensors; the formula is
 `runtime.capacity.model_state` (fsdp: 16Ψ / (s × t)) or ZeRO's
-(`zero_model_state_formula`). Layouts wider than the machine's cores oversubscribe
-them: their tokens/s says little.
+(`zero_model_state_formula`). Bytes sent per step by rank 0: counted from its first
+step's collectives for fsdp (and tensor parallel), modelled for DDP and ZeRO. Layouts
+wider than the machine's cores oversubscribe them: their tokens/s says little.
 
     python benchmarks/mesh_layouts.py --steps 20
 """
@@ -100,14 +101,14 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(rows, indent=2))
     print(
         "| layout | workers | max abs diff vs 1 process | params | grads | optimizer "
-        "| measured / formula | tokens/s |"
+        "| measured / formula | bytes sent / step | tokens/s |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(
             f"| {r['layout']} | {r['workers']} | {r['max_diff']:.1e} | {r['params']:,} | "
             f"{r['grads']:,} | {r['optimizer']:,} | {r['measured'] / r['formula']:.3f} | "
-            f"{r['tokens_per_s']:,.0f} |"
+            f"{r['comm_bytes_per_step']:,} | {r['tokens_per_s']:,.0f} |"
         )
 
 

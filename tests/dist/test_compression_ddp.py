@@ -237,8 +237,11 @@ def test_every_rank_ends_with_the_expected_average(
         ):
             if kind in CASTS:  # the hook sums 16-bit floats: one more rounding
                 eps = CASTS[kind]
+                # 1e-7 per element: fp16 keeps gradients under 6e-5 (a key projection's)
+                # as subnormals, whose spacing (6e-8) is absolute, not relative.
+                floor = 1e-7 * hook.numel() ** 0.5
                 assert ((hook - want).abs() <= 2 * eps * want.abs() + 1e-7).all(), step
-                assert (hook - dense).norm() <= 4 * eps * scale.norm(), step
+                assert (hook - dense).norm() <= 4 * eps * scale.norm() + floor, step
             else:
                 assert torch.allclose(hook, want, rtol=1e-5, atol=1e-7), step
     if kind in LOSSY:

@@ -137,6 +137,20 @@ def test_llama_under_tp2_x_fsdp2_matches_one_process(runs: Runs) -> None:
     assert max_difference(reference, initial) > 1e-2, "training did not move the weights"
 
 
+def test_fsdp_counts_the_bytes_its_collectives_send(tmp_path: Path) -> None:
+    """One micro-batch per rank, FSDP over 2: each step all-gathers the fp32 parameters and
+    reduce-scatters the fp32 gradients, (n - 1)/n of 4Ψ bytes each from a rank (Ψ
+    parameters, each padded to a multiple of n): 4Ψ in all, what a DDP all-reduce sends.
+    Resharding after the forward gathers again for the backward: more than that."""
+    whole_batch = {"train": {"steps": 3, "global_batch_size": 16, "micro_batch_size": 8}}
+    strategy = {"kind": "fsdp", "reshard_after_forward": False}
+    _, kept = train(tmp_path / "kept", "fsdp2", **whole_batch, strategy=strategy)
+    _, resharded = train(tmp_path / "resharded", "fsdp2", **whole_batch)
+    psi = kept["params"]
+    assert kept["comm_bytes_per_step"] == pytest.approx(4 * psi, rel=0.01)
+    assert resharded["comm_bytes_per_step"] > 1.3 * kept["comm_bytes_per_step"]
+
+
 def test_fsdp_memory_per_rank_is_the_formulas_share(runs: Runs, tmp_path: Path) -> None:
     """fsdp over 4 ranks: each holds a quarter of fp32 weights, gradients and AdamW's
     moments, measured from its tensors (FSDP2 pads each parameter to a multiple of 4)."""

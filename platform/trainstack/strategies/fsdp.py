@@ -55,6 +55,7 @@ from trainstack.strategies.base import (
     storage_bytes,
     tensors_in,
 )
+from trainstack.strategies.comm_count import CollectiveBytes
 from trainstack.strategies.mesh import Meshes, MeshLayout, build_meshes
 from trainstack.strategies.tensor_parallel import apply_tensor_parallel
 from trainstack.tasks import EvalSums, build_task, eval_mode, evaluate
@@ -74,6 +75,8 @@ class FSDPStrategy:
         self.task = build_task(cfg)
         self._peak_grad_bytes = 0
         self._tp_local_numel = 0
+        self._counted_bytes: int | None = None
+        """Bytes this rank sent in its first step, counted from its collectives."""
 
     # ---- set-up ------------------------------------------------------------------
 
@@ -137,6 +140,16 @@ class FSDPStrategy:
         return stack
 
     def train_step(self, micro_batches: list[Batch]) -> StepOutput:
+        """One step; the first one also counts the bytes its collectives send (every step
+        of a layout sends the same, and counting sees every operator: once is enough)."""
+        if self._counted_bytes is not None or not self.ctx.is_distributed:
+            return self._step(micro_batches)
+        with CollectiveBytes() as counter:
+            out = self._step(micro_batches)
+        self._counted_bytes = counter.sent
+        return out
+
+    def _step(self, micro_batches: list[Batch]) -> StepOutput:
         assert self.optimizer is not None and self.scheduler is not None, "setup() first"
         accum = len(micro_batches)
         total = torch.zeros((), device=self.ctx.device)
@@ -154,7 +167,9 @@ class FSDPStrategy:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepOutput(loss=total / accum, grad_norm=grad_norm, lr=lr)
+        return StepOutput(
+            loss=total / accum, grad_norm=grad_norm, lr=lr, bytes_on_wire=self._counted_bytes
+        )
 
     def _held_grad_bytes(self) -> int:
         grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
@@ -183,10 +198,17 @@ class FSDPStrategy:
         return float(value) / self.layout.data_parallel
 
     def comm_bytes_per_step(self) -> int:
-        """Modelled bytes this rank sends per step (ring collectives): FSDP's parameter
-        all-gathers (two with `reshard_after_forward`) and gradient reduce-scatter over s,
-        HSDP's all-reduce over r, and tensor parallelism's all-gathers and
-        reduce-scatters of the residual stream (4 per block forward, 4 backward)."""
+        """Bytes this rank sends per step: counted from its first step's collectives
+        (`comm_count.CollectiveBytes`), else modelled (ring collectives): FSDP's
+        parameter all-gathers (two with `reshard_after_forward`) and gradient
+        reduce-scatter over s, HSDP's all-reduce over r, and tensor parallelism's
+        all-gathers and reduce-scatters of the residual stream (4 per block each way)."""
+        if self._counted_bytes is not None:
+            return self._counted_bytes
+        return self.modelled_comm_bytes()
+
+    def modelled_comm_bytes(self) -> int:
+        """The model of `comm_bytes_per_step`, for comparison with the count."""
         layout, cfg = self.layout, self.cfg
         s, r, t = layout.dp_shard, layout.dp_replicate, layout.tp
         param_bytes = self._tp_local_numel * 4
