@@ -238,6 +238,10 @@ class StrategyConfig:
     loss_parallel: bool = True
     """fsdp with tensor_parallel > 1: cross-entropy on vocabulary-sharded logits, never
     gathering the full [B, T, V] logits."""
+    shard_replicas: bool = False
+    """pipeline (torch engine): shard each stage's parameters, gradients and optimizer state
+    over the data_parallel replicas with FSDP2 (gathered for the stage's compute) instead of
+    replicating them and all-reducing gradients."""
     engine: str = "torch"
     """pipeline: `torch` (torch.distributed.pipelining) or `deepspeed` (its PipelineEngine)."""
     num_shards: int = 2

@@ -17,6 +17,8 @@ TENSOR_PARALLEL_MODELS: tuple[str, ...] = ("gpt", "hf")
 """Model kinds with a tensor-parallel plan (`strategies/tensor_parallel.py`; hf: llama,
 its sizes checked in pre-flight on the built model)."""
 MAX_DEGREE = 4096
+SHARDED_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
+"""Pipeline schedules whose replicas `shard_replicas` may shard with FSDP2 (tested)."""
 
 
 def validate_mesh(cfg: JobConfig) -> None:
@@ -29,8 +31,13 @@ def validate_mesh(cfg: JobConfig) -> None:
         if not 1 <= value <= MAX_DEGREE:
             raise ConfigError(f"{key}={value} is out of range; allowed: 1 to {MAX_DEGREE}")
     if s.kind == "pipeline":
-        _validate_pipeline_tensor_parallel(cfg)
+        _validate_pipeline_mesh(cfg)
         return
+    if s.shard_replicas:
+        raise ConfigError(
+            f"strategy.shard_replicas=true is for strategy.kind=pipeline; with "
+            f"strategy.kind={s.kind} use strategy.kind=fsdp (or zero) to shard replicas"
+        )
     if s.kind != "fsdp":
         if s.tensor_parallel != 1 or s.data_parallel_replicate != 1:
             raise ConfigError(
@@ -45,13 +52,26 @@ def validate_mesh(cfg: JobConfig) -> None:
     _validate_companions(cfg)
 
 
-def _validate_pipeline_tensor_parallel(cfg: JobConfig) -> None:
-    """A pipeline's stages may be tensor-parallel: the torch engine, the GPT."""
+def _validate_pipeline_mesh(cfg: JobConfig) -> None:
+    """A pipeline's stages may be tensor-parallel (the torch engine, the GPT) and its
+    replicas sharded (the torch engine)."""
     s = cfg.strategy
     if s.data_parallel_replicate != 1:
         raise ConfigError(
             f"strategy.data_parallel_replicate={s.data_parallel_replicate} is for "
             "strategy.kind=fsdp; a pipeline's replicas are strategy.data_parallel"
+        )
+    if s.shard_replicas and s.engine != "torch":
+        raise ConfigError(
+            "strategy.shard_replicas=true shards a pipeline's replicas with FSDP2, which "
+            f"needs strategy.engine=torch (got {s.engine}; DeepSpeed's engine has its own "
+            "ZeRO stage 1 in deepspeed.zero_optimization)"
+        )
+    if s.shard_replicas and s.schedule not in SHARDED_SCHEDULES:
+        raise ConfigError(
+            f"strategy.shard_replicas=true is tested with strategy.schedule "
+            f"{' and '.join(SHARDED_SCHEDULES)} only; got {s.schedule} (its replicas can be "
+            "replicated: shard_replicas=false)"
         )
     if s.tensor_parallel == 1:
         return

@@ -24,15 +24,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_optimizer_state_dict
 
 from trainstack.storage import StorePath, open_binary
 
 if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     from trainstack.checkpoint import Checkpoint
+
+# torch.distributed.checkpoint is imported where it is used: it costs every process that
+# imports trainstack.checkpoint most of a second, and only sharded layouts need it.
 
 METADATA = ".metadata"
 
@@ -47,6 +49,8 @@ class ShardedState:
 def save_sharded(folder: Path, state: ShardedState) -> list[Path]:
     """Every rank writes its shards of `state` into `folder` (a collective when
     distributed); return the files this rank wrote."""
+    import torch.distributed.checkpoint as dcp
+
     folder.mkdir(parents=True, exist_ok=True)
     before = set(folder.iterdir())
     writer = dcp.FileSystemWriter(folder, single_file_per_rank=True, thread_count=1)
@@ -62,6 +66,8 @@ def has_sharded(checkpoint: Checkpoint, folder: str) -> bool:
 def load_sharded(checkpoint: Checkpoint, folder: str, state: dict[str, Any]) -> None:
     """Fill `state` (this rank's layout) in place from `folder`; a collective when
     distributed, resharding whatever layout wrote it."""
+    import torch.distributed.checkpoint as dcp
+
     with _readable(checkpoint, folder) as path, _single_process_is_intended():
         dcp.load(state, storage_reader=dcp.FileSystemReader(path))
 
@@ -69,6 +75,9 @@ def load_sharded(checkpoint: Checkpoint, folder: str, state: dict[str, Any]) -> 
 def full_state(checkpoint: Checkpoint, folder: str, *, prefix: str) -> dict[str, torch.Tensor]:
     """Whole tensors of the entries under `prefix` (e.g. "model"), in this process alone
     (no collective): `{name: tensor}` with the prefix removed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     with _readable(checkpoint, folder) as path:
         reader = dcp.FileSystemReader(path)
         lead = f"{prefix}."
@@ -87,6 +96,8 @@ def load_optimizer_by_name(
 ) -> None:
     """The sharded state's optimizer part, keyed by parameter name, into the optimizer of
     a whole (replicated) `model`: a collective when distributed."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_optimizer_state_dict
+
     _, optimizer_state = get_state_dict(model, optimizer)
     state = {"optimizer": optimizer_state}
     load_sharded(checkpoint, folder, state)
@@ -101,6 +112,8 @@ def optimizer_state_by_parameter(
     parameter: this rank's part of a tensor-parallel one. A collective when distributed
     (every rank calls it, each with its own parameters). Returns the states, and the
     names of the parameters the checkpoint holds no state for."""
+    import torch.distributed.checkpoint as dcp
+
     with _readable(checkpoint, folder) as path:
         reader = dcp.FileSystemReader(path)
         saved = reader.read_metadata().state_dict_metadata
@@ -126,6 +139,8 @@ def optimizer_state_by_parameter(
 
 
 def _saved_entry(saved: dict[str, Any], name: str) -> dict[str, TensorStorageMetadata]:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     lead = f"optimizer.state.{name}."
     return {
         key[len(lead) :]: meta

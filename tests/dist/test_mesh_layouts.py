@@ -26,6 +26,16 @@ LAYOUTS = {  # name: (workers, strategy)
     "tp2xdp2": (4, {"kind": "fsdp", "tensor_parallel": 2}),
     "hsdp2x2": (4, {"kind": "fsdp", "data_parallel_replicate": 2}),
     "pp2xtp2": (4, {"kind": "pipeline", "stages": 2, "tensor_parallel": 2, "microbatches": 2}),
+    "pp2xfsdp2": (
+        4,
+        {
+            "kind": "pipeline",
+            "stages": 2,
+            "data_parallel": 2,
+            "shard_replicas": True,
+            "microbatches": 2,
+        },
+    ),
     "pp2xdp2xtp2": (
         8,
         {
@@ -113,6 +123,7 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
         "tp2xdp2",
         "hsdp2x2",
         "pp2xtp2",
+        "pp2xfsdp2",
         pytest.param("pp2xdp2xtp2", marks=pytest.mark.slow),  # 8 processes on 2 cores
     ],
 )
@@ -164,7 +175,7 @@ def test_fsdp_memory_per_rank_is_the_formulas_share(runs: Runs, tmp_path: Path) 
     assert held["params"] == pytest.approx(fp32_weights / 4, rel=0.02)
 
 
-@pytest.mark.parametrize("layout", ["tp2xdp2", "pp2xtp2"])
+@pytest.mark.parametrize("layout", ["tp2xdp2", "pp2xtp2", "pp2xfsdp2"])
 def test_resume_after_a_killed_worker_is_bitwise_identical(
     runs: Runs, tmp_path: Path, layout: str
 ) -> None:

@@ -64,6 +64,23 @@ def test_mesh_takes_the_shard_degree_from_what_the_workers_leave(
             "model.kind=mlp has none",
         ),
         (fsdp(2, offload_optimizer="cpu"), "strategy.offload_optimizer=cpu is DeepSpeed ZeRO's"),
+        (
+            fsdp(2, shard_replicas=True),
+            "strategy.shard_replicas=true is for strategy.kind=pipeline",
+        ),
+        (
+            {
+                **fsdp(4),
+                "strategy": {
+                    "kind": "pipeline",
+                    "engine": "deepspeed",
+                    "data_parallel": 2,
+                    "shard_replicas": True,
+                },
+            },
+            "strategy.shard_replicas=true shards a pipeline's replicas with FSDP2, which needs "
+            "strategy.engine=torch",
+        ),
         ({**fsdp(2), "compression": {"kind": "topk"}}, "compression.kind=topk compresses DDP's"),
         (
             {

@@ -26,6 +26,14 @@ from trainstack.runtime.preflight import preflight
 from trainstack.storage import is_store_uri
 from trainstack.strategies import WorkerContext
 
+PRELOADED_STRATEGIES = (
+    "trainstack.strategies.ddp",
+    "trainstack.strategies.zero",
+    "trainstack.strategies.fsdp",
+    "trainstack.strategies.pipeline",
+)
+"""Strategy modules the fork server imports (a job imports only its own one)."""
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -61,9 +69,9 @@ def run_processes(
     if world_size == 1 and not cfg.faults.kill_at_steps and not cfg.faults.random_kills:
         _worker(0, *args)  # in-process: no start-up cost for single-process references
     else:
-        # A fork server that has imported trainstack (and torch) once starts each
-        # process in milliseconds instead of seconds of imports per spawn.
-        multiprocessing.set_forkserver_preload([__name__])
+        # A fork server that has imported trainstack, torch and the strategies once
+        # starts each process in milliseconds instead of seconds of imports per spawn.
+        multiprocessing.set_forkserver_preload([__name__, *PRELOADED_STRATEGIES])
         mp.start_processes(_worker, args=args, nprocs=world_size, start_method="forkserver")
     summary: dict[str, Any] = json.loads((out_dir / "summary.json").read_text())
     return summary

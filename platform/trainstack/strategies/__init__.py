@@ -1,4 +1,9 @@
-"""Parallelism strategies, by the name a job spec's `strategy.kind` uses."""
+"""Parallelism strategies, by the name a job spec's `strategy.kind` uses.
+
+Each strategy's module is imported when a job asks for it: torch's pipelining, FSDP,
+tensor-parallel and DeepSpeed modules cost every worker process seconds of start-up,
+and a job uses one of them.
+"""
 
 from __future__ import annotations
 
@@ -6,26 +11,43 @@ from collections.abc import Callable
 
 from trainstack.config import JobConfig
 from trainstack.strategies.base import StepOutput, Strategy, WorkerContext
-from trainstack.strategies.ddp import DDPStrategy
-from trainstack.strategies.fsdp import FSDPStrategy
-from trainstack.strategies.pipeline import PipelineStrategy
-from trainstack.strategies.zero import ZeROStrategy
 
-STRATEGIES: dict[str, Callable[[JobConfig, WorkerContext], Strategy]] = {
-    "ddp": DDPStrategy,
-    "zero": ZeROStrategy,
-    "fsdp": FSDPStrategy,
-    "pipeline": lambda cfg, ctx: _pipeline(cfg, ctx),
-}
+
+def _ddp(cfg: JobConfig, ctx: WorkerContext) -> Strategy:
+    from trainstack.strategies.ddp import DDPStrategy
+
+    return DDPStrategy(cfg, ctx)
+
+
+def _zero(cfg: JobConfig, ctx: WorkerContext) -> Strategy:
+    from trainstack.strategies.zero import ZeROStrategy
+
+    return ZeROStrategy(cfg, ctx)
+
+
+def _fsdp(cfg: JobConfig, ctx: WorkerContext) -> Strategy:
+    from trainstack.strategies.fsdp import FSDPStrategy
+
+    return FSDPStrategy(cfg, ctx)
 
 
 def _pipeline(cfg: JobConfig, ctx: WorkerContext) -> Strategy:
-    """`strategy.engine` picks the implementation; DeepSpeed is imported only if asked."""
+    """`strategy.engine` picks the implementation."""
     if cfg.strategy.engine == "deepspeed":
         from trainstack.strategies.pipeline_deepspeed import DeepSpeedPipelineStrategy
 
         return DeepSpeedPipelineStrategy(cfg, ctx)
+    from trainstack.strategies.pipeline import PipelineStrategy
+
     return PipelineStrategy(cfg, ctx)
+
+
+STRATEGIES: dict[str, Callable[[JobConfig, WorkerContext], Strategy]] = {
+    "ddp": _ddp,
+    "zero": _zero,
+    "fsdp": _fsdp,
+    "pipeline": _pipeline,
+}
 
 
 def build_strategy(cfg: JobConfig, ctx: WorkerContext) -> Strategy:

@@ -31,7 +31,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -39,7 +38,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from trainstack import sharded_checkpoint as sharded
@@ -56,7 +55,8 @@ from trainstack.strategies.base import (
     tensors_in,
 )
 from trainstack.strategies.comm_count import CollectiveBytes
-from trainstack.strategies.mesh import Meshes, MeshLayout, build_meshes
+from trainstack.strategies.dtensor_state import local_part
+from trainstack.strategies.mesh import Meshes, MeshLayout, build_meshes, squared_norm
 from trainstack.strategies.tensor_parallel import apply_tensor_parallel
 from trainstack.tasks import EvalSums, build_task, eval_mode, evaluate
 
@@ -88,7 +88,7 @@ class FSDPStrategy:
                 apply_tensor_parallel(
                     model, self.meshes.tp, loss_parallel=self.cfg.strategy.loss_parallel
                 )
-            self._tp_local_numel = sum(_local(p).numel() for p in model.parameters())
+            self._tp_local_numel = sum(local_part(p).numel() for p in model.parameters())
             if self.layout.data_parallel > 1:
                 self._shard(model, self.meshes)
         else:
@@ -161,7 +161,7 @@ class FSDPStrategy:
                 loss = self.task.loss(self.model(x), y, inputs=x)
                 (loss / accum).backward()
             self._peak_grad_bytes = max(self._peak_grad_bytes, self._held_grad_bytes())
-            total += _local(loss.detach())
+            total += local_part(loss.detach())
         grad_norm = clip_grad_norm(list(self.model.parameters()), self.cfg.optim.grad_clip)
         lr = float(self.scheduler.get_last_lr()[0])
         self.optimizer.step()
@@ -172,7 +172,7 @@ class FSDPStrategy:
         )
 
     def _held_grad_bytes(self) -> int:
-        grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        grads = [local_part(p.grad) for p in self.model.parameters() if p.grad is not None]
         return storage_bytes(grads)
 
     # ---- evaluation and reductions -------------------------------------------------
@@ -192,7 +192,7 @@ class FSDPStrategy:
         return EvalSums.of(sums)
 
     def global_mean(self, value: torch.Tensor) -> float:
-        value = _local(value.detach()).to(self.ctx.device, torch.float64).clone()
+        value = local_part(value.detach()).to(self.ctx.device, torch.float64).clone()
         if self.meshes is not None:
             dist.all_reduce(value, group=self.meshes.data_parallel_group)
         return float(value) / self.layout.data_parallel
@@ -277,9 +277,9 @@ class FSDPStrategy:
         optimizer state, measured from the local parts of the DTensors."""
         assert self.optimizer is not None, "setup() first"
         return {
-            "params": storage_bytes(_local(p.data) for p in self.model.parameters()),
+            "params": storage_bytes(local_part(p.data) for p in self.model.parameters()),
             "grads": self._peak_grad_bytes,
-            "optimizer": storage_bytes(_local(t) for t in tensors_in(self.optimizer.state)),
+            "optimizer": storage_bytes(local_part(t) for t in tensors_in(self.optimizer.state)),
         }
 
     def portable_weights(self) -> dict[str, torch.Tensor]:
@@ -327,37 +327,9 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
     the gradients to `max_norm` when it is above (`max_norm` 0: no clipping), as
     `torch.nn.utils.clip_grad_norm_` does for whole tensors."""
     grads = [p.grad for p in params if p.grad is not None]
-    total = math.sqrt(sum(_squared_norms(grads)))
+    total = math.sqrt(squared_norm(grads))
     scale = max_norm / (total + 1e-6)
     if max_norm and scale < 1:
         for grad in grads:
             grad.mul_(scale)
     return total
-
-
-def _squared_norms(grads: list[torch.Tensor]) -> list[float]:
-    """Sum of squares of each group of gradients sharded alike, reduced over the mesh
-    dimensions they are sharded on: one all-reduce per group and dimension, where a
-    DTensor norm would take one per gradient."""
-    groups: dict[tuple[DeviceMesh, tuple[int, ...]], torch.Tensor] = {}
-    plain = torch.zeros((), dtype=torch.float64)
-    for grad in grads:
-        if not isinstance(grad, DTensor):
-            plain += grad.detach().double().pow(2).sum().cpu()
-            continue
-        if any(p.is_partial() for p in grad.placements):  # pending sums: finish them first
-            grad = grad.redistribute(
-                placements=[Replicate() if p.is_partial() else p for p in grad.placements]
-            )
-        dims = tuple(i for i, p in enumerate(grad.placements) if not p.is_replicate())
-        local = grad.to_local().detach().double().pow(2).sum()
-        key = (grad.device_mesh, dims)
-        groups[key] = groups[key] + local if key in groups else local
-    for (mesh, dims), squares in groups.items():
-        for dim in dims:
-            dist.all_reduce(squares, group=mesh.get_group(dim))
-    return [float(plain), *(float(squares) for squares in groups.values())]
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

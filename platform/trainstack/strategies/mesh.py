@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate
 
 from trainstack.config import JobConfig
 
@@ -65,3 +67,31 @@ def build_meshes(layout: MeshLayout, *, device_type: str) -> Meshes:
     dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     fsdp = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
     return Meshes(tp=mesh["tp"], fsdp=fsdp, data_parallel_group=dp.get_group())
+
+
+def squared_norm(grads: list[torch.Tensor]) -> float:
+    """The squared norm of whole gradients, of which this rank holds DTensor shards (and
+    plain tensors it holds whole). Gradients sharded alike are summed locally first and
+    reduced over the mesh dimensions they are sharded on: one all-reduce per group and
+    dimension, where a DTensor norm would take one per gradient. A collective over each
+    such group: every rank in it must hold gradients of the same layout."""
+    groups: dict[tuple[DeviceMesh, tuple[int, ...]], torch.Tensor] = {}
+    plain = torch.zeros((), dtype=torch.float64)
+    for grad in grads:
+        if not isinstance(grad, DTensor):
+            plain += grad.detach().double().pow(2).sum().cpu()
+            continue
+        if any(p.is_partial() for p in grad.placements):  # pending sums: finish them first
+            grad = grad.redistribute(
+                placements=[Replicate() if p.is_partial() else p for p in grad.placements]
+            )
+        dims = tuple(i for i, p in enumerate(grad.placements) if not p.is_replicate())
+        local = grad.to_local().detach().double().pow(2).sum()
+        key = (grad.device_mesh, dims)
+        groups[key] = groups[key] + local if key in groups else local
+    total = float(plain)
+    for (mesh, dims), squares in groups.items():
+        for dim in dims:
+            dist.all_reduce(squares, group=mesh.get_group(dim))
+        total += float(squares)
+    return total

@@ -9,7 +9,11 @@ stages and average their gradients. With t > 1 every stage's layers are tensor
 parallel (tensor_parallel.py): each tp rank runs its own pipeline over its shards and
 passes its share of the sequence to the same tp rank of the next stage; the gradient
 steps below run on each rank's shards (a tied weight's shards are summed over the
-stages, the norm adds the tp ranks' shares).
+stages, the norm adds the tp ranks' shares). With `shard_replicas` each stage is one
+FSDP2 unit over the d replicas (torchtitan's pipeline → TP → FSDP order): its
+parameters, gradients and optimizer state split d ways, gathered for the stage's
+compute, gradients reduce-scattered once after the schedule's last micro-batch (torch's
+schedules drive FSDP modules themselves), in place of step 2 below.
 
 The model is cut along its pipeline layers into p × v stages (pipeline_split.py) and
 placed by the schedule's style; torch's `PipelineStage` infers the activations' shapes
@@ -46,8 +50,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import schedules
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from trainstack import sharded_checkpoint as sharded
 from trainstack.checkpoint import SHARDED_FOLDER, Checkpoint, rank_file, stage_file
@@ -62,6 +67,15 @@ from trainstack.strategies.base import (
     storage_bytes,
     tensors_in,
 )
+from trainstack.strategies.dtensor_state import (
+    load_whole,
+    local_optimizer_state,
+    local_part,
+    optimizer_state_as_shards,
+    place_like_parameters,
+    whole,
+)
+from trainstack.strategies.mesh import squared_norm
 from trainstack.strategies.pipeline_probe import (
     BoundaryMeter,
     ProbedStage,
@@ -124,6 +138,9 @@ class PipelineStrategy:
         self.pp_size, self.dp_size = self.grid.pp_size, self.grid.dp_size
         self.pp_rank, self.dp_rank = self.grid.pp_rank, self.grid.dp_rank
         self.tp_mesh: DeviceMesh | None = None
+        self.dp_mesh: DeviceMesh | None = None
+        self.sharded = cfg.strategy.shard_replicas and self.dp_size > 1
+        """Each stage FSDP-sharded over the replicas (else replicated, gradients averaged)."""
         self.num_stages = s.stages * cfg.pipeline_virtual_stages
         self.style = SCHEDULES[s.schedule][1]
         self.owners = stage_ranks(
@@ -158,7 +175,7 @@ class PipelineStrategy:
         mesh = init_device_mesh(self.ctx.device.type, (p, d, t), mesh_dim_names=("pp", "dp", "tp"))
         self.pp_group = mesh.get_group("pp")
         self.dp_group = mesh.get_group("dp")
-        self.tp_mesh = mesh["tp"]
+        self.tp_mesh, self.dp_mesh = mesh["tp"], mesh["dp"]
         at = self.grid.global_rank
         for ranks in dict.fromkeys(self._tie_ranks(tie) for tie in ties):
             if len(ranks) == 1:
@@ -198,10 +215,12 @@ class PipelineStrategy:
             if self.grid.tp_size > 1:
                 assert self.tp_mesh is not None
                 apply_tensor_parallel_to_layers(list(self.modules[s].layers.values()), self.tp_mesh)
+            if self.sharded:
+                fully_shard(self.modules[s], mesh=self.dp_mesh, reshard_after_forward=False)
             self.boundaries[s] = BoundaryMeter(self.modules[s])
         self._hold_ties(ties)
         params = {
-            _local(p).untyped_storage().data_ptr() for p in self.unwrapped_model().parameters()
+            local_part(p).untyped_storage().data_ptr() for p in self.unwrapped_model().parameters()
         }
         self.stages = [
             ProbedStage(
@@ -261,8 +280,8 @@ class PipelineStrategy:
         start = time.perf_counter()
         self.schedule.step(*args, target=y if self.holds_last else None, losses=losses)
         self._record_step_time(time.perf_counter() - start)
-        _place_like_parameters(self._params())
-        grads = [_local(p.grad) for p in self._params() if p.grad is not None]
+        place_like_parameters(self._params())
+        grads = [local_part(p.grad) for p in self._params() if p.grad is not None]
         self._peak_grad_bytes = max(self._peak_grad_bytes, storage_bytes(grads))
         self._sum_tied_gradients()
         self._average_over_replicas()
@@ -301,9 +320,9 @@ class PipelineStrategy:
                 offset += total.numel()
 
     def _average_over_replicas(self) -> None:
-        if self.dp_size == 1:
+        if self.dp_size == 1 or self.sharded:  # FSDP reduce-scattered them already
             return
-        grads = [_local(p.grad) for p in self._params() if p.grad is not None]
+        grads = [local_part(p.grad) for p in self._params() if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.dp_group)
         flat /= self.dp_size
@@ -314,27 +333,23 @@ class PipelineStrategy:
 
     def _clip_gradients(self) -> float:
         """Clip by the norm of the whole model's gradient, as `clip_grad_norm_` would: a
-        tie counts once, a tensor-parallel shard adds its tp ranks' shares."""
-        squares = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
-        sharded = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
-        for p in self._params():
-            if p.grad is None or id(p) in self._uncounted:
-                continue
-            if isinstance(p.grad, DTensor) and not p.grad.placements[0].is_replicate():
-                sharded += _local(p.grad).float().pow(2).sum()
-            else:
-                squares += _local(p.grad).float().pow(2).sum()
-        if self.grid.tp_size > 1:
-            assert self.tp_mesh is not None
-            dist.all_reduce(sharded, group=self.tp_mesh.get_group())
-            squares += sharded
+        tie counts once, a sharded gradient (tensor parallel, FSDP) adds every shard."""
+        counted = [
+            p.grad for p in self._params() if p.grad is not None and id(p) not in self._uncounted
+        ]
+        if any(isinstance(g, DTensor) for g in counted):
+            squares = torch.tensor(squared_norm(counted), device=self.ctx.device)
+        else:
+            squares = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+            for grad in counted:
+                squares += grad.float().pow(2).sum()
         dist.all_reduce(squares, group=self.pp_group)
         norm = squares.sqrt()
         if self.cfg.optim.grad_clip:
             coef = torch.clamp(self.cfg.optim.grad_clip / (norm + 1e-6), max=1.0)
             for p in self._params():
                 if p.grad is not None:
-                    _local(p.grad).mul_(coef)
+                    local_part(p.grad).mul_(coef)
         return float(norm)
 
     # ---- evaluation and reductions ------------------------------------------------------
@@ -345,11 +360,28 @@ class PipelineStrategy:
         ranks add up the task's sums, and every rank gets the total."""
         restore = eval_mode(self.modules.values())
         sums = evaluate(self.task, self._eval_forward, batches, device=self.ctx.device)
+        self._match_replicas_forwards(len(batches))
         restore()
         if self.grid.tp_rank != 0:  # its tp group holds the same sums: count them once
             sums.zero_()
         dist.all_reduce(sums)
         return EvalSums.of(sums)
+
+    def _match_replicas_forwards(self, done: int) -> None:
+        """Sharded stages gather their parameters from every replica in each forward, so
+        every replica runs as many as the one with the most held-out batches (shares
+        differ by a sample): the others run throw-away forwards on a blank batch."""
+        if not self.sharded:
+            return
+        most = torch.tensor(done, device=self.ctx.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.dp_group)
+        blank = torch.zeros((1, self.cfg.model.block_size), dtype=torch.long)
+        with torch.no_grad():
+            for _ in range(int(most) - done):
+                self._eval_forward(blank.to(self.ctx.device))
+        for module in self.modules.values():  # forwards alone leave them gathered
+            assert isinstance(module, FSDPModule)
+            module.reshard()
 
     def _eval_forward(self, x: torch.Tensor) -> Any | None:
         """The model's outputs on the rank holding the last stage; None on the others."""
@@ -377,7 +409,7 @@ class PipelineStrategy:
                 activations += self.boundaries[s].output_bytes
             if s > 0 and self.owners[s - 1] != self.pp_rank:
                 activations += self.boundaries[s].input_grad_bytes
-        numel = sum(_local(p).numel() for p in self._params())
+        numel = sum(local_part(p).numel() for p in self._params())
         replicas = ring_allreduce_bytes(numel, element_size=4, world_size=self.dp_size)
         tied = sum(
             ring_allreduce_bytes(local.tie.numel, element_size=4, world_size=len(local.ranks))
@@ -441,18 +473,21 @@ class PipelineStrategy:
         group has gathered them) and their optimizer state (each tp rank its shards);
         rank 0 the LR schedule. Replicas are identical, so the others write nothing."""
         assert self.optimizer is not None and self.scheduler is not None, "setup() first"
-        if self.dp_rank != 0:
+        if self.dp_rank != 0 and not self.sharded:
             return {}
-        stages = {s: _whole(self.modules[s].state_dict()) for s in self.stage_ids}
+        stages = {s: whole(self.modules[s].state_dict()) for s in self.stage_ids}
         files: dict[str, Any] = {}
-        if self.grid.tp_rank == 0:
+        if self.grid.tp_rank == 0 and self.dp_rank == 0:
             files = {stage_file(s): state for s, state in stages.items()}
-        files[self._optimizer_file()] = _local_state(self.optimizer.state_dict())
+        files[self._optimizer_file()] = local_optimizer_state(self.optimizer.state_dict())
         if self.ctx.rank == 0:
             files["scheduler.pt"] = self.scheduler.state_dict()
         return files
 
     def _optimizer_file(self) -> str:
+        """Replicas hold the same optimizer state, shards (`shard_replicas`) their own."""
+        if self.sharded:
+            return rank_file("optimizer", self.ctx.rank)
         return rank_file("optimizer", self.pp_rank * self.grid.tp_size + self.grid.tp_rank)
 
     def load_checkpoint(self, checkpoint: Checkpoint) -> list[str]:
@@ -460,14 +495,14 @@ class PipelineStrategy:
         reason = self._why_not_exact(checkpoint)
         if reason is None:
             for s in self.stage_ids:
-                _load_whole(self.modules[s], checkpoint.load(stage_file(s)))
+                load_whole(self.modules[s], checkpoint.load(stage_file(s)))
             state = checkpoint.load(self._optimizer_file())
-            self.optimizer.load_state_dict(_shards_like(state, self.optimizer))
+            self.optimizer.load_state_dict(optimizer_state_as_shards(state, self.optimizer))
             self.scheduler.load_state_dict(checkpoint.load("scheduler.pt"))
             return []
         full = checkpoint.full_weights()
         for module in self.modules.values():
-            _load_whole(module, {name: full[name] for name in module.state_dict()})
+            load_whole(module, {name: full[name] for name in module.state_dict()})
         if sharded.has_sharded(checkpoint, SHARDED_FOLDER):  # a mesh layout's, by name
             self.scheduler.load_state_dict(checkpoint.load("scheduler.pt"))
             lrs = self.scheduler.get_last_lr()
@@ -500,6 +535,11 @@ class PipelineStrategy:
         if source != self.name:
             return f"the checkpoint is from {source}"
         saved = config_from_dict(checkpoint.manifest["spec"])
+        saved_sharded = saved.strategy.shard_replicas and saved.strategy.data_parallel > 1
+        if (saved_sharded, saved.strategy.data_parallel) != (self.sharded, self.dp_size) and (
+            saved_sharded or self.sharded
+        ):
+            return "the checkpoint's optimizer state is sharded over other replicas"
         if saved.strategy.tensor_parallel != self.grid.tp_size:
             return (
                 f"the checkpoint's stages are split {saved.strategy.tensor_parallel}-way "
@@ -520,15 +560,15 @@ class PipelineStrategy:
     def model_state_bytes(self) -> dict[str, int]:
         assert self.optimizer is not None, "setup() first"
         return {
-            "params": storage_bytes(_local(p.data) for p in self._params()),
+            "params": storage_bytes(local_part(p.data) for p in self._params()),
             "grads": self._peak_grad_bytes,
-            "optimizer": storage_bytes(_local(t) for t in tensors_in(self.optimizer.state)),
+            "optimizer": storage_bytes(local_part(t) for t in tensors_in(self.optimizer.state)),
         }
 
 
 def _grad_of(param: nn.Parameter) -> torch.Tensor:
     """This rank's part of `param`'s gradient (zeros if it has none)."""
-    return _local(param.grad) if param.grad is not None else torch.zeros_like(_local(param))
+    return local_part(param.grad) if param.grad is not None else torch.zeros_like(local_part(param))
 
 
 def _set_grads(copies: tuple[nn.Parameter, ...], total: torch.Tensor) -> None:
@@ -537,73 +577,10 @@ def _set_grads(copies: tuple[nn.Parameter, ...], total: torch.Tensor) -> None:
         if c.grad is None:
             grad = total.clone()
             if isinstance(c, DTensor):
-                c.grad = DTensor.from_local(grad, c.device_mesh, c.placements)
+                c.grad = DTensor.from_local(
+                    grad, c.device_mesh, c.placements, shape=c.shape, stride=c.stride()
+                )
             else:
                 c.grad = grad
         else:
-            _local(c.grad).copy_(total)
-
-
-def _place_like_parameters(params: list[nn.Parameter]) -> None:
-    """Give each tensor-parallel gradient its parameter's placement (DTensor may leave an
-    embedding's as a whole replicated tensor), so that this rank's part of a gradient is
-    the part of the parameter it holds."""
-    for p in params:
-        param: Any = p  # a DTensor parameter
-        grad = p.grad
-        if not (isinstance(param, DTensor) and isinstance(grad, DTensor)):
-            continue
-        if grad.placements != param.placements:
-            p.grad = grad.redistribute(param.device_mesh, param.placements)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _whole(state: dict[str, Any]) -> dict[str, Any]:
-    """A state dict with whole tensors (a DTensor gathered over its mesh: a collective)."""
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
-
-
-def _load_whole(module: nn.Module, state: dict[str, Any]) -> None:
-    """Load whole tensors into `module`, whose tensor-parallel parameters keep this rank's
-    part of each (cut locally, without communication)."""
-    mine = module.state_dict()
-    module.load_state_dict(
-        {
-            name: distribute_tensor(
-                value, mine[name].device_mesh, mine[name].placements, src_data_rank=None
-            )
-            if isinstance(mine.get(name), DTensor)
-            else value
-            for name, value in state.items()
-        }
-    )
-
-
-def _local_state(state: dict[str, Any]) -> dict[str, Any]:
-    """An optimizer state dict with this rank's parts of DTensor states (saveable and
-    loadable with weights_only)."""
-    return {
-        **state,
-        "state": {
-            index: {k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
-            for index, entry in state["state"].items()
-        },
-    }
-
-
-def _shards_like(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """`_local_state`'s output as DTensors again, placed like the parameters they belong to."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    restored = {}
-    for index, entry in state["state"].items():
-        param = params[index]
-        restored[index] = {
-            k: DTensor.from_local(v, param.device_mesh, param.placements)
-            if isinstance(param, DTensor) and isinstance(v, torch.Tensor) and v.dim() > 0
-            else v
-            for k, v in entry.items()
-        }
-    return {**state, "state": restored}
+            local_part(c.grad).copy_(total)
