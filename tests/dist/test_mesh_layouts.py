@@ -25,6 +25,7 @@ LAYOUTS = {  # name: (workers, strategy)
     "tp2": (2, {"kind": "fsdp", "tensor_parallel": 2}),
     "tp2xdp2": (4, {"kind": "fsdp", "tensor_parallel": 2}),
     "hsdp2x2": (4, {"kind": "fsdp", "data_parallel_replicate": 2}),
+    "zero2": (2, {"kind": "zero", "stage": 2}),
     "pp2xtp2": (4, {"kind": "pipeline", "stages": 2, "tensor_parallel": 2, "microbatches": 2}),
     "pp2xfsdp2": (
         4,
@@ -206,6 +207,31 @@ def test_sharded_checkpoints_reshard_across_layouts_with_their_optimizer_state(
         assert not any("re-initialised" in note for note in notes), (layout, notes)
         assert max_difference(weights, reference) < 1e-5, layout
         previous = out / "runs" / f"mesh-{layout}"
+
+
+def test_a_zero_checkpoint_gives_tp2_its_weights_and_says_the_optimizer_restarts(
+    tmp_path: Path,
+) -> None:
+    """DeepSpeed ZeRO-2's consolidated weights load into tensor-parallel shards. Step 6's
+    loss is computed on the loaded weights before any update: it is ZeRO's own step-6
+    loss only if the weights came across whole. Adam's state does not (DeepSpeed's
+    optimizer partitions are not converted): the run says so."""
+    logged = {"log": {"every_steps": 1}}
+    train(tmp_path / "zero", "zero2", **logged)
+    start = tmp_path / "zero" / "runs" / "mesh-zero2" / ckpt.dir_name(5)
+    _, summary = train(tmp_path / "tp2", "tp2", resume_from=start, **logged)
+    assert summary["resumed_from_step"] == 5
+    assert any(
+        "re-initialised (the checkpoint is from zero)" in n for n in _start_notes(tmp_path / "tp2")
+    )
+    zero_loss, tp_loss = _losses(tmp_path / "zero"), _losses(tmp_path / "tp2")
+    assert tp_loss[6] == pytest.approx(zero_loss[6], abs=1e-6)
+    assert tp_loss[6] != pytest.approx(zero_loss[5], abs=1e-4)  # a step's loss moves
+
+
+def _losses(out: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "event" not in r and "loss" in r}
 
 
 def _start_notes(out: Path) -> list[str]:
