@@ -82,7 +82,6 @@ class CollectiveBytes(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.sent = 0
-        self.calls: dict[str, int] = {}
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -91,5 +90,4 @@ class CollectiveBytes(TorchDispatchMode):
         sent = _bytes_sent(name, args)
         if sent is not None:
             self.sent += sent
-            self.calls[name] = self.calls.get(name, 0) + 1
         return func(*args, **(kwargs or {}))

@@ -25,7 +25,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
@@ -205,10 +204,10 @@ class FSDPStrategy:
         all-gathers and reduce-scatters of the residual stream (4 per block each way)."""
         if self._counted_bytes is not None:
             return self._counted_bytes
-        return self.modelled_comm_bytes()
+        return self._modelled_comm_bytes()
 
-    def modelled_comm_bytes(self) -> int:
-        """The model of `comm_bytes_per_step`, for comparison with the count."""
+    def _modelled_comm_bytes(self) -> int:
+        """`comm_bytes_per_step` before a step has been counted (ring collectives)."""
         layout, cfg = self.layout, self.cfg
         s, r, t = layout.dp_shard, layout.dp_replicate, layout.tp
         param_bytes = self._tp_local_numel * 4
@@ -281,12 +280,6 @@ class FSDPStrategy:
             "grads": self._peak_grad_bytes,
             "optimizer": storage_bytes(local_part(t) for t in tensors_in(self.optimizer.state)),
         }
-
-    def portable_weights(self) -> dict[str, torch.Tensor]:
-        """Whole weights on every rank (a collective), e.g. for a test or an export."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        weights = get_model_state_dict(self.model, options=options)
-        return {name: value for name, value in weights.items() if isinstance(value, torch.Tensor)}
 
 
 def sharding_units(model: nn.Module, *, class_names: tuple[str, ...]) -> list[nn.Module]:

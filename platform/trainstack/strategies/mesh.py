@@ -42,9 +42,6 @@ class MeshLayout:
         """Model replicas seeing their own samples: r × s."""
         return self.dp_replicate * self.dp_shard
 
-    def describe(self) -> str:
-        return f"dp_replicate {self.dp_replicate} × dp_shard {self.dp_shard} × tp {self.tp}"
-
 
 @dataclass(frozen=True, kw_only=True)
 class Meshes:

@@ -53,28 +53,30 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, loss_paralle
         _parallelize_llama(model, tp_mesh, loss_parallel=loss_parallel)
         return
     assert isinstance(model, GPT), "config_layout admits tensor parallelism for GPT and hf"
-    parallelize_module(model, tp_mesh, gpt_model_plan(loss_parallel=loss_parallel))
-    for block in model.blocks:
-        parallelize_module(block, tp_mesh, gpt_block_plan())
-    model.lm_head.weight = model.tok_emb.weight  # each side was distributed apart: re-tie
+    # The GPT's pipeline layers hold its own modules: sharding them shards the model.
+    apply_tensor_parallel_to_layers(model.pipeline_layers(), tp_mesh, loss_parallel=loss_parallel)
 
 
-def apply_tensor_parallel_to_layers(layers: list[nn.Module], tp_mesh: DeviceMesh) -> None:
-    """Shard a pipeline stage's GPT layers (embedding, blocks, head) over `tp_mesh` in
-    place. A stage passes its sequence shard to the next (each tensor-parallel rank runs
-    its own pipeline); the head gathers whole logits for the schedule's loss. Parameters
-    the layers shared before (a tied embedding and head on one stage) stay shared."""
+def apply_tensor_parallel_to_layers(
+    layers: list[nn.Module], tp_mesh: DeviceMesh, *, loss_parallel: bool = False
+) -> None:
+    """Shard GPT layers (embedding, blocks, head: the whole model, or a pipeline stage's
+    share) over `tp_mesh` in place. Between layers the residual stream is a sequence
+    shard (a stage passes its shard to the next: each tensor-parallel rank runs its own
+    pipeline); the head gathers whole logits unless `loss_parallel`. Parameters the
+    layers shared before (the tied embedding and head) stay shared."""
     shared = _shared_parameters(layers)
+    ends = gpt_model_plan(loss_parallel=loss_parallel)
     for layer in layers:
         if isinstance(layer, GPTEmbedding):
-            plan = {key: gpt_model_plan(loss_parallel=False)[key] for key in ("tok_emb", "pos_emb")}
+            plan = {key: ends[key] for key in ("tok_emb", "pos_emb")}
         elif isinstance(layer, GPTHead):
-            plan = {key: gpt_model_plan(loss_parallel=False)[key] for key in ("ln_f", "lm_head")}
+            plan = {key: ends[key] for key in ("ln_f", "lm_head")}
         else:
             assert isinstance(layer, Block), f"no tensor-parallel plan for {type(layer).__name__}"
             plan = gpt_block_plan()
         parallelize_module(layer, tp_mesh, plan)
-    for uses in shared:
+    for uses in shared:  # each side was distributed apart: tie them again
         first = uses[0][0].get_parameter(uses[0][1])
         for module, name in uses[1:]:
             setattr(module, name, first)
