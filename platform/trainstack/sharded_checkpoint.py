@@ -91,19 +91,6 @@ def full_state(checkpoint: Checkpoint, folder: str, *, prefix: str) -> dict[str,
     return tensors
 
 
-def load_optimizer_by_name(
-    checkpoint: Checkpoint, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer
-) -> None:
-    """The sharded state's optimizer part, keyed by parameter name, into the optimizer of
-    a whole (replicated) `model`: a collective when distributed."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_optimizer_state_dict
-
-    _, optimizer_state = get_state_dict(model, optimizer)
-    state = {"optimizer": optimizer_state}
-    load_sharded(checkpoint, folder, state)
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optimizer"])
-
-
 def optimizer_state_by_parameter(
     checkpoint: Checkpoint, folder: str, params: list[tuple[nn.Parameter, tuple[str, ...]]]
 ) -> tuple[dict[nn.Parameter, dict[str, Any]], list[str]]:

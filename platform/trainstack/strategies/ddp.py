@@ -16,8 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainstack import sharded_checkpoint as sharded
-from trainstack.checkpoint import SHARDED_FOLDER, Checkpoint, rank_file
+from trainstack.checkpoint import Checkpoint, rank_file
 from trainstack.compression import CompressionState, register_compression
 from trainstack.config import JobConfig
 from trainstack.data.sharding import Batch
@@ -25,10 +24,14 @@ from trainstack.optim import build_optimizer, build_scheduler, scaled_lr
 from trainstack.strategies.base import (
     StepOutput,
     WorkerContext,
-    fast_forward_schedule,
     ring_allreduce_bytes,
     storage_bytes,
     tensors_in,
+)
+from trainstack.strategies.named_optimizer_state import (
+    named_parameters,
+    optimizer_order,
+    restore_optimizer_by_name,
 )
 from trainstack.tasks import EvalSums, build_task, eval_mode, evaluate
 
@@ -148,21 +151,17 @@ class DDPStrategy:
 
     def load_checkpoint(self, checkpoint: Checkpoint) -> list[str]:
         assert self.optimizer is not None and self.scheduler is not None, "setup() first"
-        self.unwrapped_model().load_state_dict(checkpoint.full_weights())
+        model = self.unwrapped_model()
+        model.load_state_dict(checkpoint.full_weights())
         notes = self._load_compression(checkpoint)
-        if sharded.has_sharded(checkpoint, SHARDED_FOLDER):  # a sharded layout's optimizer
-            model = self.unwrapped_model()
-            sharded.load_optimizer_by_name(checkpoint, SHARDED_FOLDER, model, self.optimizer)
-            if checkpoint.has("scheduler.pt"):
-                self.scheduler.load_state_dict(checkpoint.load("scheduler.pt"))
-            else:
-                fast_forward_schedule(self.scheduler, step=checkpoint.step)
-            return notes
-        same_kind = checkpoint.manifest.get("strategy") == self.name
-        if not (same_kind and checkpoint.has("optimizer.pt") and checkpoint.has("scheduler.pt")):
-            fast_forward_schedule(self.scheduler, step=checkpoint.step)
-            source = checkpoint.manifest.get("strategy")
-            return [*notes, f"optimizer state re-initialised (the checkpoint is from {source})"]
+        if checkpoint.manifest.get("strategy") != self.name:  # another layout's, by name
+            return notes + restore_optimizer_by_name(
+                checkpoint,
+                self.optimizer,
+                self.scheduler,
+                named_parameters(model),
+                order=optimizer_order(model, self.cfg.optim),
+            )
         self.optimizer.load_state_dict(checkpoint.load("optimizer.pt"))
         self.scheduler.load_state_dict(checkpoint.load("scheduler.pt"))
         return notes

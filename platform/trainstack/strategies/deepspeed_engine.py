@@ -29,6 +29,10 @@ from trainstack.strategies.base import WorkerContext
 # the loss scaler (a static scale of 1 under fp32 and bf16, so the live one is put back
 # on load) and the parameter-slice map that only universal checkpoints read.
 UNSAVED_OPTIMIZER_KEYS = ("loss_scaler", "param_slice_mappings")
+ZERO_FRAGMENTS = "param_fragments"
+"""Key, in a ZeRO 1/2 rank's optimizer file, of `{name: [start, numel]}` per group: where
+in the rank's flat partition each parameter's fragment lies (DeepSpeed's
+`param_slice_mappings`, in types `weights_only` loads)."""
 
 
 def config_from_spec(cfg: JobConfig, specific: Mapping[str, Any]) -> dict[str, Any]:

@@ -27,7 +27,6 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
     set_model_state_dict,
-    set_optimizer_state_dict,
     set_state_dict,
 )
 from torch.distributed.fsdp import (
@@ -49,13 +48,17 @@ from trainstack.optim import build_optimizer, build_scheduler, scaled_lr
 from trainstack.strategies.base import (
     StepOutput,
     WorkerContext,
-    fast_forward_schedule,
     storage_bytes,
     tensors_in,
 )
 from trainstack.strategies.comm_count import CollectiveBytes
 from trainstack.strategies.dtensor_state import local_part
 from trainstack.strategies.mesh import Meshes, MeshLayout, build_meshes, squared_norm
+from trainstack.strategies.named_optimizer_state import (
+    named_parameters,
+    optimizer_order,
+    restore_optimizer_by_name,
+)
 from trainstack.strategies.tensor_parallel import apply_tensor_parallel
 from trainstack.tasks import EvalSums, build_task, eval_mode, evaluate
 
@@ -248,28 +251,22 @@ class FSDPStrategy:
             model_state_dict=model_state,
             optim_state_dict=optimizer_state,
         )
-        if checkpoint.has("scheduler.pt"):
-            self.scheduler.load_state_dict(checkpoint.load("scheduler.pt"))
-        else:
-            fast_forward_schedule(self.scheduler, step=checkpoint.step)
+        self.scheduler.load_state_dict(checkpoint.load("scheduler.pt"))
         return []
 
     def _load_full_weights(self, checkpoint: Checkpoint) -> list[str]:
-        """Another strategy's portable weights, dealt to this layout's shards; DDP's
-        optimizer state too (whole, indexed like this optimizer's parameters)."""
+        """Another strategy's portable weights, dealt to this layout's shards, and its
+        optimizer state by parameter name where it has some to give."""
         assert self.optimizer is not None and self.scheduler is not None
         options = StateDictOptions(full_state_dict=True)
         set_model_state_dict(self.model, checkpoint.full_weights(), options=options)
-        source = checkpoint.manifest.get("strategy")
-        if source != "ddp" or not checkpoint.has("optimizer.pt"):
-            fast_forward_schedule(self.scheduler, step=checkpoint.step)
-            return [f"optimizer state re-initialised (the checkpoint is from {source})"]
-        by_name = optimizer_state_by_name(
-            checkpoint.load("optimizer.pt"), self.optimizer, self.model
+        return restore_optimizer_by_name(
+            checkpoint,
+            self.optimizer,
+            self.scheduler,
+            named_parameters(self.model),
+            order=optimizer_order(self.model, self.cfg.optim),
         )
-        set_optimizer_state_dict(self.model, self.optimizer, by_name, options=options)
-        self.scheduler.load_state_dict(checkpoint.load("scheduler.pt"))
-        return []
 
     def model_state_bytes(self) -> dict[str, int]:
         """This rank's shards: parameters, gradients (the most held after any backward) and
@@ -299,20 +296,6 @@ def sharding_units(model: nn.Module, *, class_names: tuple[str, ...]) -> list[nn
             if id(child) in registered and next(child.parameters(), None) is not None
         ]
     return units
-
-
-def optimizer_state_by_name(
-    state: dict[str, Any], optimizer: torch.optim.Optimizer, model: nn.Module
-) -> dict[str, Any]:
-    """A whole optimizer state dict indexed by position (`Optimizer.state_dict()` of the
-    same model with the same parameter groups) keyed by parameter name instead."""
-    names = {id(p): name for name, p in model.named_parameters()}
-    ordered = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    groups = []
-    for group in state["param_groups"]:
-        groups.append({**group, "params": [ordered[i] for i in group["params"]]})
-    by_name = {ordered[i]: value for i, value in state["state"].items()}
-    return {"state": by_name, "param_groups": groups}
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:

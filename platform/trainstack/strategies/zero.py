@@ -34,6 +34,7 @@ from trainstack.strategies.base import (
 )
 from trainstack.strategies.deepspeed_engine import (
     UNSAVED_OPTIMIZER_KEYS,
+    ZERO_FRAGMENTS,
     build_engine,
     config_from_spec,
     init_deepspeed_comm,
@@ -237,11 +238,17 @@ class ZeROStrategy:
         engine = self._engine()
         assert self.scheduler is not None
         weights = self._full_fp32_weights()
+        state = engine.optimizer.state_dict()
         shard = {
             key: weights_only_value(value)
-            for key, value in engine.optimizer.state_dict().items()
+            for key, value in state.items()
             if key not in UNSAVED_OPTIMIZER_KEYS
         }
+        if "param_slice_mappings" in state:  # ZeRO 1/2: so other layouts can read it by name
+            shard[ZERO_FRAGMENTS] = [
+                {name: [where.start, where.numel] for name, where in group.items()}
+                for group in state["param_slice_mappings"]
+            ]
         files: dict[str, Any] = {rank_file("optimizer", self.ctx.rank): shard}
         if self.ctx.rank == 0:
             files["model.pt"] = weights
@@ -304,6 +311,7 @@ class ZeROStrategy:
         """Same layout: this rank's shard restores master weights and optimizer state."""
         zero_optimizer = self._engine().optimizer
         shard = checkpoint.load(rank_file("optimizer", self.ctx.rank))
+        shard.pop(ZERO_FRAGMENTS, None)
         shard["loss_scaler"] = zero_optimizer.loss_scaler
         shards: list[dict[str, Any] | None] = [None] * self.ctx.world_size
         shards[self.ctx.rank] = shard  # ZeRO reads its own rank's entry
