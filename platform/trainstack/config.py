@@ -231,7 +231,9 @@ class StrategyConfig:
     heads, the width, the vocabulary and the sequence."""
     data_parallel_replicate: int = 1
     """fsdp: replica groups r (HSDP: parameters sharded within a group, replicated across
-    groups); the shard degree is scaling.num_workers / (r × tensor_parallel)."""
+    groups); the shard degree is scaling.num_workers / (r × tensor_parallel). pipeline
+    with shard_replicas: the d replicas form r groups, each sharding the stages d / r
+    ways."""
     reshard_after_forward: bool = True
     """fsdp: free gathered parameters after each block's forward (ZeRO-3-like); false keeps
     them until the backward (ZeRO-2-like: more memory, one all-gather less)."""

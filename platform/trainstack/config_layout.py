@@ -54,12 +54,19 @@ def validate_mesh(cfg: JobConfig) -> None:
 
 def _validate_pipeline_mesh(cfg: JobConfig) -> None:
     """A pipeline's stages may be tensor-parallel (the torch engine, the GPT) and its
-    replicas sharded (the torch engine)."""
+    replicas sharded (the torch engine), in groups that replicate each other (HSDP)."""
     s = cfg.strategy
-    if s.data_parallel_replicate != 1:
+    r = s.data_parallel_replicate
+    if r != 1 and not s.shard_replicas:
         raise ConfigError(
-            f"strategy.data_parallel_replicate={s.data_parallel_replicate} is for "
-            "strategy.kind=fsdp; a pipeline's replicas are strategy.data_parallel"
+            f"strategy.data_parallel_replicate={r} groups a pipeline's sharded replicas "
+            "(HSDP); it needs strategy.shard_replicas=true, or leave it at 1"
+        )
+    if s.data_parallel % r:
+        raise ConfigError(
+            f"strategy.data_parallel={s.data_parallel} must be a multiple of "
+            f"strategy.data_parallel_replicate={r}: the replicas form {r} groups that each "
+            "shard the stages alike"
         )
     if s.shard_replicas and s.engine != "torch":
         raise ConfigError(

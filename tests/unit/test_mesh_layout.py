@@ -81,6 +81,25 @@ def test_mesh_takes_the_shard_degree_from_what_the_workers_leave(
             "strategy.shard_replicas=true shards a pipeline's replicas with FSDP2, which needs "
             "strategy.engine=torch",
         ),
+        (
+            {
+                **fsdp(4),
+                "strategy": {"kind": "pipeline", "data_parallel": 2, "data_parallel_replicate": 2},
+            },
+            "strategy.data_parallel_replicate=2 groups a pipeline's sharded replicas",
+        ),
+        (
+            {
+                **fsdp(6),
+                "strategy": {
+                    "kind": "pipeline",
+                    "data_parallel": 3,
+                    "data_parallel_replicate": 2,
+                    "shard_replicas": True,
+                },
+            },
+            "strategy.data_parallel=3 must be a multiple of strategy.data_parallel_replicate=2",
+        ),
         ({**fsdp(2), "compression": {"kind": "topk"}}, "compression.kind=topk compresses DDP's"),
         (
             {

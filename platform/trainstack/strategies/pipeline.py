@@ -13,7 +13,10 @@ stages, the norm adds the tp ranks' shares). With `shard_replicas` each stage is
 FSDP2 unit over the d replicas (torchtitan's pipeline → TP → FSDP order): its
 parameters, gradients and optimizer state split d ways, gathered for the stage's
 compute, gradients reduce-scattered once after the schedule's last micro-batch (torch's
-schedules drive FSDP modules themselves), in place of step 2 below.
+schedules drive FSDP modules themselves), in place of step 2 below. With
+`data_parallel_replicate` r > 1 as well, the replicas form r groups of d / r (HSDP):
+state is split d / r ways within a group and replicated across groups, the mesh
+`[pp, dp_replicate, dp_shard, tp]`.
 
 The model is cut along its pipeline layers into p × v stages (pipeline_split.py) and
 placed by the schedule's style; torch's `PipelineStage` infers the activations' shapes
@@ -54,8 +57,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import schedules
 from torch.distributed.tensor import DTensor
 
-from trainstack import sharded_checkpoint as sharded
-from trainstack.checkpoint import SHARDED_FOLDER, Checkpoint, rank_file, stage_file
+from trainstack.checkpoint import Checkpoint, rank_file, stage_file
 from trainstack.config import JobConfig, config_from_dict
 from trainstack.data.sharding import Batch
 from trainstack.optim import build_optimizer, build_scheduler, scaled_lr
@@ -76,6 +78,7 @@ from trainstack.strategies.dtensor_state import (
     whole,
 )
 from trainstack.strategies.mesh import squared_norm
+from trainstack.strategies.named_optimizer_state import optimizer_order, restore_optimizer_by_name
 from trainstack.strategies.pipeline_probe import (
     BoundaryMeter,
     ProbedStage,
@@ -154,6 +157,8 @@ class PipelineStrategy:
         self.tie_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self._aliases: dict[str, tuple[str, ...]] = {}
         """The model's state-dict key -> every key of the same tensor (a tie has two)."""
+        self._optimizer_order: list[str] = []
+        """The whole model's parameter names in the order a DDP optimizer indexes them."""
         self._uncounted: set[int] = set()
         """ids of this rank's tied copies that the grad norm skips (counted elsewhere)."""
         self.schedule: schedules._PipelineSchedule | None = None
@@ -172,10 +177,18 @@ class PipelineStrategy:
         the `[pp, dp, tp]` mesh (its pipelines, replicas and tensor-parallel groups), and
         per tensor-parallel rank one group per set of pipeline ranks some tie spans."""
         p, d, t = self.pp_size, self.dp_size, self.grid.tp_size
-        mesh = init_device_mesh(self.ctx.device.type, (p, d, t), mesh_dim_names=("pp", "dp", "tp"))
+        r = self.cfg.strategy.data_parallel_replicate
+        mesh = init_device_mesh(
+            self.ctx.device.type,
+            (p, r, d // r, t),
+            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
+        )
         self.pp_group = mesh.get_group("pp")
-        self.dp_group = mesh.get_group("dp")
-        self.tp_mesh, self.dp_mesh = mesh["tp"], mesh["dp"]
+        self.tp_mesh = mesh["tp"]
+        # FSDP shards over dp_shard and replicates over dp_replicate (HSDP when r > 1);
+        # replica averages and maxima run over both, flattened.
+        self.dp_mesh = mesh["dp_replicate", "dp_shard"] if r > 1 else mesh["dp_shard"]
+        self.dp_group = (self.dp_mesh._flatten("dp") if r > 1 else self.dp_mesh).get_group()
         at = self.grid.global_rank
         for ranks in dict.fromkeys(self._tie_ranks(tie) for tie in ties):
             if len(ranks) == 1:
@@ -202,6 +215,7 @@ class PipelineStrategy:
 
     def setup(self, model: nn.Module) -> None:
         check_pipeline_model(self.cfg, model)
+        self._optimizer_order = optimizer_order(model, self.cfg.optim)
         layers = model_layers(model)
         self._aliases = {
             key: tuple(keys) for keys in ModelNames.of(model).tensors.values() for key in keys
@@ -503,31 +517,19 @@ class PipelineStrategy:
         full = checkpoint.full_weights()
         for module in self.modules.values():
             load_whole(module, {name: full[name] for name in module.state_dict()})
-        if sharded.has_sharded(checkpoint, SHARDED_FOLDER):  # a mesh layout's, by name
-            self.scheduler.load_state_dict(checkpoint.load("scheduler.pt"))
-            lrs = self.scheduler.get_last_lr()
-            for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
-                group["lr"] = lr  # the schedule's state does not set it
-            return self._load_optimizer_by_name(checkpoint)
-        fast_forward_schedule(self.scheduler, step=checkpoint.step)
-        return [f"optimizer state re-initialised ({reason})"]
-
-    def _load_optimizer_by_name(self, checkpoint: Checkpoint) -> list[str]:
-        """Adam's (or SGD's) state of each parameter this rank holds, from a sharded
-        checkpoint keyed by the model's names (resharded to this rank's part); notes for
-        parameters it has none for."""
-        assert self.optimizer is not None
-        params = []
+        if checkpoint.manifest.get("strategy") == self.name:  # its ranks' files do not fit
+            fast_forward_schedule(self.scheduler, step=checkpoint.step)
+            return [f"optimizer state re-initialised ({reason})"]
+        params = []  # this rank's parameters, each with every model name of its tensor
         for module in self.modules.values():
             own = dict(module.named_parameters())
             for key, names in module.model_names.items():
-                if key in own:  # every name of the tensor: a tie's state is under one
+                if key in own:
                     aliases = (n for name in names for n in self._aliases.get(name, (name,)))
                     params.append((own[key], tuple(dict.fromkeys(aliases))))
-        states, missing = sharded.optimizer_state_by_parameter(checkpoint, SHARDED_FOLDER, params)
-        for param, state in states.items():
-            self.optimizer.state[param] = state
-        return [f"optimizer state re-initialised for {', '.join(missing)}"] if missing else []
+        return restore_optimizer_by_name(
+            checkpoint, self.optimizer, self.scheduler, params, order=self._optimizer_order
+        )
 
     def _why_not_exact(self, checkpoint: Checkpoint) -> str | None:
         """Why the checkpoint's stage files and optimizer state do not fit this layout."""
@@ -536,7 +538,9 @@ class PipelineStrategy:
             return f"the checkpoint is from {source}"
         saved = config_from_dict(checkpoint.manifest["spec"])
         saved_sharded = saved.strategy.shard_replicas and saved.strategy.data_parallel > 1
-        if (saved_sharded, saved.strategy.data_parallel) != (self.sharded, self.dp_size) and (
+        saved_replicas = (saved.strategy.data_parallel, saved.strategy.data_parallel_replicate)
+        replicas = (self.dp_size, self.cfg.strategy.data_parallel_replicate)
+        if (saved_sharded, saved_replicas) != (self.sharded, replicas) and (
             saved_sharded or self.sharded
         ):
             return "the checkpoint's optimizer state is sharded over other replicas"
