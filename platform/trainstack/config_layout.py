@@ -17,8 +17,6 @@ TENSOR_PARALLEL_MODELS: tuple[str, ...] = ("gpt", "hf")
 """Model kinds with a tensor-parallel plan (`strategies/tensor_parallel.py`; hf: llama,
 its sizes checked in pre-flight on the built model)."""
 MAX_DEGREE = 4096
-SHARDED_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
-"""Pipeline schedules whose replicas `shard_replicas` may shard with FSDP2 (tested)."""
 
 
 def validate_mesh(cfg: JobConfig) -> None:
@@ -73,12 +71,6 @@ def _validate_pipeline_mesh(cfg: JobConfig) -> None:
             "strategy.shard_replicas=true shards a pipeline's replicas with FSDP2, which "
             f"needs strategy.engine=torch (got {s.engine}; DeepSpeed's engine has its own "
             "ZeRO stage 1 in deepspeed.zero_optimization)"
-        )
-    if s.shard_replicas and s.schedule not in SHARDED_SCHEDULES:
-        raise ConfigError(
-            f"strategy.shard_replicas=true is tested with strategy.schedule "
-            f"{' and '.join(SHARDED_SCHEDULES)} only; got {s.schedule} (its replicas can be "
-            "replicated: shard_replicas=false)"
         )
     if s.tensor_parallel == 1:
         return

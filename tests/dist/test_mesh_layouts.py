@@ -37,6 +37,20 @@ LAYOUTS = {  # name: (workers, strategy)
             "microbatches": 2,
         },
     ),
+    **{
+        f"pp2xfsdp2-{schedule}": (
+            4,
+            {
+                "kind": "pipeline",
+                "stages": 2,
+                "data_parallel": 2,
+                "shard_replicas": True,
+                "schedule": schedule,
+                "microbatches": microbatches,
+            },
+        )
+        for schedule, microbatches in (("interleaved", 2), ("dualpipev", 4))
+    },
     "pp2xhsdp2x2": (
         8,
         {
@@ -186,6 +200,28 @@ def test_fsdp_memory_per_rank_is_the_formulas_share(runs: Runs, tmp_path: Path) 
     assert measured == pytest.approx(formula, rel=0.02)
     fp32_weights = 4 * summary["params"]
     assert held["params"] == pytest.approx(fp32_weights / 4, rel=0.02)
+
+
+FOUR_LAYERS = {"model": {**spec("ddp1", Path())["model"], "n_layer": 4}}
+"""Two stages per pipeline rank need four blocks."""
+
+
+@pytest.fixture(scope="module")
+def four_layer_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    return train(tmp_path_factory.mktemp("ddp1-4"), "ddp1", **FOUR_LAYERS)[0]
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "dualpipev"])
+def test_multi_stage_schedules_drive_sharded_replicas(
+    tmp_path: Path, four_layer_reference: dict[str, torch.Tensor], schedule: str
+) -> None:
+    """Two stages per rank, placed in a loop (interleaved 1F1B) or as a V whose two
+    directions run at once (DualPipeV): torch's schedules unshard, reshard and reduce the
+    FSDP stages themselves, and the result is one process's."""
+    weights, _ = train(tmp_path / schedule, f"pp2xfsdp2-{schedule}", **FOUR_LAYERS)
+    assert max_difference(weights, four_layer_reference) < 1e-5
+    initial = _initial_weights(tmp_path, **FOUR_LAYERS)
+    assert max_difference(four_layer_reference, initial) > 1e-2
 
 
 @pytest.mark.slow  # 8 processes on 2 cores
