@@ -169,6 +169,13 @@ class TrainConfig:
     """Seed of model initialisation (same on every rank) and dropout."""
     precision: str = "fp32"
     """`fp32`, or `bf16` autocast (GPU, or CPU where supported)."""
+    compile: bool = False
+    """torch.compile each repeated block (a GPT's blocks, `model.checkpoint_modules`), as
+    torchtitan does: after tensor parallelism and activation checkpointing, before
+    FSDP. The first step pays the compilation (seconds to minutes)."""
+    pin_memory: bool = True
+    """On a GPU: batches go to page-locked host memory and are copied to the device
+    without blocking the host. No effect on CPU."""
 
 
 @dataclass(kw_only=True)
@@ -193,6 +200,9 @@ class OptimConfig:
     """Clip the global gradient norm to this (> 0); 0 disables clipping."""
     lr_scaling: str = "none"
     """Scale lr with world size: `none`, `linear` (× N) or `sqrt` (× √N)."""
+    fused: bool = True
+    """On a GPU, the optimizer's fused kernel (every parameter's update in one launch);
+    false, or on CPU: torch's multi-tensor (foreach) update."""
 
 
 @dataclass(kw_only=True)
@@ -202,6 +212,9 @@ class StrategyConfig:
     parallelism on one device mesh), `pipeline` or `ps` (parameter server)."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size in MiB (> 0)."""
+    gradient_as_bucket_view: bool = False
+    """DDP: gradients are views into the all-reduce buckets (one copy fewer, a model's
+    worth of gradient memory less)."""
     stage: int = 2
     """zero: ZeRO stage 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters) sharded."""
     offload_optimizer: str = "none"

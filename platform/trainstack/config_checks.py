@@ -495,11 +495,6 @@ def _validate_pipeline(cfg: JobConfig) -> None:
             f"scaling.num_workers={cfg.scaling.num_workers} must equal strategy.stages × "
             f"strategy.data_parallel × strategy.tensor_parallel = {p} × {d} × {t} = {p * d * t}"
         )
-    if cfg.train.precision != "fp32":
-        raise ConfigError(
-            f"train.precision={cfg.train.precision} is not supported with strategy.kind=pipeline "
-            "yet; allowed: fp32"
-        )
     if s.engine == "deepspeed":
         _validate_deepspeed_pipeline(cfg)
         return
@@ -577,11 +572,6 @@ def _validate_parameter_server(cfg: JobConfig) -> None:
             "strategy.reject_beyond_bound=true needs strategy.consistency=async or ssp; "
             "bsp pushes are never stale"
         )
-    if cfg.train.precision != "fp32":
-        raise ConfigError(
-            f"train.precision={cfg.train.precision} is not supported with strategy.kind=ps; "
-            "allowed: fp32"
-        )
     if cfg.optim.grad_clip:
         raise ConfigError(
             f"optim.grad_clip={cfg.optim.grad_clip} is not supported with strategy.kind=ps "
@@ -611,6 +601,16 @@ def _parameter_tensors(cfg: JobConfig) -> int:
 
 def _validate_deepspeed_pipeline(cfg: JobConfig) -> None:
     s, m = cfg.strategy, cfg.model
+    if cfg.train.precision != "fp32":
+        raise ConfigError(
+            f"train.precision={cfg.train.precision} with strategy.engine=deepspeed: its "
+            "pipelines train in fp32 here; allowed: fp32, or engine torch for bf16 autocast"
+        )
+    if cfg.train.compile:
+        raise ConfigError(
+            "train.compile=true compiles the blocks of the torch engine's stages; "
+            "strategy.engine=deepspeed builds its own (use engine torch, or compile false)"
+        )
     if s.schedule != "1f1b" or cfg.pipeline_virtual_stages != 1:
         raise ConfigError(
             f"strategy.schedule={s.schedule} (virtual_stages {cfg.pipeline_virtual_stages}) "

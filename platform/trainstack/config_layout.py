@@ -74,6 +74,12 @@ def _validate_pipeline_mesh(cfg: JobConfig) -> None:
         )
     if s.tensor_parallel == 1:
         return
+    if cfg.train.compile and cfg.model.activation_checkpointing:
+        raise ConfigError(
+            "train.compile=true with model.activation_checkpointing=true and "
+            f"strategy.tensor_parallel={s.tensor_parallel} inside a pipeline fails in "
+            "torch.compile (its saved tensors include a device mesh); drop one of the three"
+        )
     if s.engine != "torch" or cfg.model.kind != "gpt":
         raise ConfigError(
             f"strategy.tensor_parallel={s.tensor_parallel} inside a pipeline needs "

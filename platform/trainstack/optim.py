@@ -20,16 +20,19 @@ def scaled_lr(cfg: OptimConfig, *, data_parallel_size: int) -> float:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, *, lr: float) -> torch.optim.Optimizer:
-    """AdamW or SGD; weight decay applies to matrices only (not biases, norms)."""
+    """AdamW or SGD; weight decay applies to matrices only (not biases, norms). On a GPU
+    (`optim.fused`) one fused kernel updates every parameter; else torch's default."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
+    on_gpu = bool(params) and all(p.device.type == "cuda" for p in params)
+    fused = True if cfg.fused and on_gpu else None  # None: torch picks foreach
     if cfg.kind == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, betas=cfg.betas)
+        return torch.optim.AdamW(groups, lr=lr, betas=cfg.betas, fused=fused)
     assert cfg.kind == "sgd", cfg.kind
-    return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum)
+    return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, fused=fused)
 
 
 def lr_multiplier(step: int, cfg: OptimConfig, *, total_steps: int) -> float:

@@ -367,11 +367,10 @@ def test_deepspeed_pipeline_refuses_zero_2_and_3() -> None:
     assert "supports ZeRO stage 0 or 1 only" in error_of(raw)
 
 
-@pytest.mark.parametrize("engine", ["torch", "deepspeed"])
-def test_pipeline_refuses_bf16_for_now(engine: str) -> None:
-    raw = pipeline_spec(engine=engine)
+def test_deepspeed_pipelines_refuse_bf16() -> None:
+    raw = pipeline_spec(engine="deepspeed")
     raw["train"]["precision"] = "bf16"
-    assert error_of(raw).startswith("train.precision=bf16 is not supported with strategy.kind")
+    assert error_of(raw).startswith("train.precision=bf16 with strategy.engine=deepspeed")
 
 
 def test_pipeline_refuses_the_mlp_which_has_no_layers() -> None:

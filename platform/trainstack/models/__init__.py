@@ -97,6 +97,27 @@ def checkpoint_blocks(model: nn.Module, *, class_names: tuple[str, ...] = ()) ->
     return blocks
 
 
+def block_classes(model: nn.Module, *, class_names: tuple[str, ...] = ()) -> set[str]:
+    """Class names of the model's repeated blocks (see `repeated_blocks`)."""
+    return {type(block).__name__ for block in repeated_blocks(model, class_names=class_names)}
+
+
+def compile_blocks(root: nn.Module, *, classes: set[str]) -> list[nn.Module]:
+    """torch.compile every module under `root` whose class is in `classes`, in place
+    (`nn.Module.compile`: names, parameters and hooks stay; hooks added later, such as
+    FSDP's, are traced on the first call). Blocks of one class share their compiled
+    code, as torchtitan's per-block compile does; return them."""
+    blocks = [m for m in root.modules() if type(m).__name__ in classes]
+    for block in blocks:
+        block.compile()
+    return blocks
+
+
+def compiled_blocks(root: nn.Module) -> list[nn.Module]:
+    """The modules under `root` that `compile_blocks` compiled."""
+    return [m for m in root.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+
+
 def repeated_blocks(model: nn.Module, *, class_names: tuple[str, ...] = ()) -> list[nn.Module]:
     """The model's blocks: the modules whose class is named in `class_names`, else the
     pipeline layers whose class repeats (a GPT's blocks, not its embedding or head)."""

@@ -31,6 +31,7 @@ from trainstack.ps.partition import ShardLayout
 from trainstack.ps.shard import encode_push
 from trainstack.runtime.faults import FaultInjector
 from trainstack.runtime.loop import torch_threads
+from trainstack.strategies.base import apply_compile, autocast
 from trainstack.tasks import build_task
 from trainstack.telemetry import PsWorkerTelemetry
 
@@ -55,6 +56,7 @@ class ParameterServerWorker:
         self.board: Any = names.find(names.board)
         board = self.board
         self.model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.train.seed)
+        apply_compile(cfg, self.model)
         self.params = dict(self.model.named_parameters())
         self.task = build_task(cfg)
         self.clock: int = cast(int, ray.get(board.worker_started.remote(index)))
@@ -161,7 +163,8 @@ class ParameterServerWorker:
         micro_batches = self.batches.next_step()
         total = 0.0
         for x, y in micro_batches:
-            loss = self.task.loss(self.model(x), y, inputs=x)
+            with autocast(self.cfg, torch.device("cpu")):  # workers train on CPU
+                loss = self.task.loss(self.model(x), y, inputs=x)
             (loss / len(micro_batches)).backward()
             total += loss.item()
         return total / len(micro_batches)

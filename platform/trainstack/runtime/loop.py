@@ -28,7 +28,7 @@ from trainstack.data.ray_source import RaySource
 from trainstack.data.ray_stream import RayStepBatches
 from trainstack.data.sharding import DataCursor, ShardedBatches, eval_batches
 from trainstack.metrics import ThroughputMeter, device_peak_flops, mfu, peak_memory_bytes
-from trainstack.models import build_model, num_params
+from trainstack.models import build_model, compiled_blocks, num_params
 from trainstack.models.flops import flops_per_token as training_flops_per_token
 from trainstack.runtime.faults import FaultInjector
 from trainstack.storage import Location
@@ -152,6 +152,9 @@ def train(
     start_step = restored.step if restored else 0
     if isinstance(strategy, ReportsLayout):
         notes = [*strategy.layout_notes(), *notes]
+    if cfg.train.compile:
+        compiled = compiled_blocks(strategy.unwrapped_model())
+        notes = [f"train.compile: {len(compiled)} blocks compiled with torch.compile", *notes]
     if group_note is not None:
         notes = [group_note, *notes]
     if ctx.rank == 0:

@@ -27,7 +27,7 @@ from trainstack.config import ConfigError, JobConfig
 from trainstack.config_fields import first_line, show
 from trainstack.data import Source, build_corpus
 from trainstack.data.paths import resolve_data
-from trainstack.models import build_model, num_params
+from trainstack.models import block_classes, build_model, num_params
 from trainstack.storage import OPTION_SCHEMES, StorePath, is_store_uri, open_location
 from trainstack.tasks import Task, TaskOutputError, build_task
 from trainstack.user_code import describe_exception
@@ -55,6 +55,12 @@ def preflight(cfg: JobConfig) -> PreflightReport:
     task = build_task(cfg)
     model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.train.seed)
     check_model_runs(cfg, model, task=task, corpus=corpus)
+    if cfg.train.compile and not block_classes(model, class_names=cfg.model.checkpoint_modules):
+        raise ConfigError(
+            f"train.compile=true compiles the model's repeated blocks, but "
+            f"{type(model).__name__} has none; name their class in model.checkpoint_modules, "
+            "give the model a pipeline_layers() method, or set train.compile=false"
+        )
     if cfg.strategy.kind == "pipeline":
         from trainstack.strategies.pipeline_split import check_pipeline_model
 

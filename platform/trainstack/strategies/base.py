@@ -8,6 +8,7 @@ APIs itself: only the strategy does.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from trainstack.checkpoint import Checkpoint
+from trainstack.config import JobConfig
 from trainstack.data.sharding import Batch
 from trainstack.tasks import EvalSums
 
@@ -107,6 +109,38 @@ def ring_allreduce_bytes(numel: int, *, element_size: int, world_size: int) -> i
     if world_size == 1:
         return 0
     return 2 * (world_size - 1) * numel * element_size // world_size
+
+
+def to_device(batch: Batch, device: torch.device, *, pin_memory: bool) -> Batch:
+    """A batch's inputs and targets on `device`. On a GPU with `train.pin_memory` they
+    go through page-locked host memory and are copied without blocking the host, which
+    moves on to queue the forward while the copy runs."""
+    x, y = batch
+    if device.type == "cuda" and pin_memory:
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(
+            device, non_blocking=True
+        )
+    return x.to(device), y.to(device)
+
+
+def autocast(cfg: JobConfig, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """bf16 autocast over fp32 weights with `train.precision: bf16`, else nothing."""
+    if cfg.train.precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def apply_compile(cfg: JobConfig, root: nn.Module, *, classes: set[str] | None = None) -> None:
+    """With `train.compile`, torch.compile the repeated blocks under `root` in place;
+    `classes` names them where `root` holds only some (a pipeline stage's), else they
+    are found in `root`."""
+    if not cfg.train.compile:
+        return
+    from trainstack.models import block_classes, compile_blocks
+
+    if classes is None:
+        classes = block_classes(root, class_names=cfg.model.checkpoint_modules)
+    compile_blocks(root, classes=classes)
 
 
 def fast_forward_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler, *, step: int) -> None:

@@ -24,9 +24,12 @@ from trainstack.optim import build_optimizer, build_scheduler, scaled_lr
 from trainstack.strategies.base import (
     StepOutput,
     WorkerContext,
+    apply_compile,
+    autocast,
     ring_allreduce_bytes,
     storage_bytes,
     tensors_in,
+    to_device,
 )
 from trainstack.strategies.named_optimizer_state import (
     named_parameters,
@@ -51,10 +54,14 @@ class DDPStrategy:
 
     def setup(self, model: nn.Module) -> None:
         model.to(self.ctx.device)
+        apply_compile(self.cfg, model)
         if self.ctx.is_distributed:
             device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
             model = DistributedDataParallel(
-                model, device_ids=device_ids, bucket_cap_mb=self.cfg.strategy.bucket_cap_mb
+                model,
+                device_ids=device_ids,
+                bucket_cap_mb=self.cfg.strategy.bucket_cap_mb,
+                gradient_as_bucket_view=self.cfg.strategy.gradient_as_bucket_view,
             )
         self.compression = register_compression(
             model, self.cfg.compression, world_size=self.ctx.world_size, seed=self.cfg.train.seed
@@ -71,21 +78,16 @@ class DDPStrategy:
             return self.model.module
         return self.model
 
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.cfg.train.precision == "bf16":
-            return torch.autocast(self.ctx.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     def train_step(self, micro_batches: list[Batch]) -> StepOutput:
         assert self.optimizer is not None and self.scheduler is not None, "setup() first"
         accum = len(micro_batches)
         total = torch.zeros((), device=self.ctx.device)
         for i, (x, y) in enumerate(micro_batches):
-            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+            x, y = to_device((x, y), self.ctx.device, pin_memory=self.cfg.train.pin_memory)
             last = i == accum - 1
             skip_sync = isinstance(self.model, DistributedDataParallel) and not last
             with self.model.no_sync() if skip_sync else contextlib.nullcontext():  # type: ignore[operator]
-                with self._autocast():
+                with autocast(self.cfg, self.ctx.device):
                     loss = self.task.loss(self.model(x), y, inputs=x)
                 (loss / accum).backward()
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -112,7 +114,7 @@ class DDPStrategy:
         restore = eval_mode([model])
 
         def forward(x: torch.Tensor) -> Any:
-            with self._autocast():
+            with autocast(self.cfg, self.ctx.device):
                 return model(x)
 
         sums = evaluate(self.task, forward, batches, device=self.ctx.device)

@@ -48,8 +48,11 @@ from trainstack.optim import build_optimizer, build_scheduler, scaled_lr
 from trainstack.strategies.base import (
     StepOutput,
     WorkerContext,
+    apply_compile,
+    autocast,
     storage_bytes,
     tensors_in,
+    to_device,
 )
 from trainstack.strategies.comm_count import CollectiveBytes
 from trainstack.strategies.dtensor_state import local_part
@@ -91,10 +94,12 @@ class FSDPStrategy:
                     model, self.meshes.tp, loss_parallel=self.cfg.strategy.loss_parallel
                 )
             self._tp_local_numel = sum(local_part(p).numel() for p in model.parameters())
+            apply_compile(self.cfg, model)  # torchtitan's order: TP, (AC,) compile, FSDP
             if self.layout.data_parallel > 1:
                 self._shard(model, self.meshes)
         else:
             self._tp_local_numel = sum(p.numel() for p in model.parameters())
+            apply_compile(self.cfg, model)
         self.model = model
         lr = scaled_lr(self.cfg.optim, data_parallel_size=self.layout.data_parallel)
         self.optimizer = build_optimizer(model, self.cfg.optim, lr=lr)
@@ -137,8 +142,8 @@ class FSDPStrategy:
         if self._uses_loss_parallel():
             stack.enter_context(loss_parallel())
         sharded_by_fsdp = isinstance(self.model, FSDPModule)
-        if self.cfg.train.precision == "bf16" and not sharded_by_fsdp:
-            stack.enter_context(torch.autocast(self.ctx.device.type, dtype=torch.bfloat16))
+        if not sharded_by_fsdp:
+            stack.enter_context(autocast(self.cfg, self.ctx.device))
         return stack
 
     def train_step(self, micro_batches: list[Batch]) -> StepOutput:
@@ -156,7 +161,7 @@ class FSDPStrategy:
         accum = len(micro_batches)
         total = torch.zeros((), device=self.ctx.device)
         for i, (x, y) in enumerate(micro_batches):
-            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+            x, y = to_device((x, y), self.ctx.device, pin_memory=self.cfg.train.pin_memory)
             if isinstance(self.model, FSDPModule):  # reduce gradients after the last only
                 self.model.set_requires_gradient_sync(i == accum - 1)
             with self._compute_context():

@@ -60,14 +60,18 @@ from torch.distributed.tensor import DTensor
 from trainstack.checkpoint import Checkpoint, rank_file, stage_file
 from trainstack.config import JobConfig, config_from_dict
 from trainstack.data.sharding import Batch
+from trainstack.models import block_classes
 from trainstack.optim import build_optimizer, build_scheduler, scaled_lr
 from trainstack.strategies.base import (
     StepOutput,
     WorkerContext,
+    apply_compile,
+    autocast,
     fast_forward_schedule,
     ring_allreduce_bytes,
     storage_bytes,
     tensors_in,
+    to_device,
 )
 from trainstack.strategies.dtensor_state import (
     load_whole,
@@ -216,6 +220,7 @@ class PipelineStrategy:
     def setup(self, model: nn.Module) -> None:
         check_pipeline_model(self.cfg, model)
         self._optimizer_order = optimizer_order(model, self.cfg.optim)
+        blocks = block_classes(model, class_names=self.cfg.model.checkpoint_modules)
         layers = model_layers(model)
         self._aliases = {
             key: tuple(keys) for keys in ModelNames.of(model).tensors.values() for key in keys
@@ -229,6 +234,7 @@ class PipelineStrategy:
             if self.grid.tp_size > 1:
                 assert self.tp_mesh is not None
                 apply_tensor_parallel_to_layers(list(self.modules[s].layers.values()), self.tp_mesh)
+            apply_compile(self.cfg, self.modules[s], classes=blocks)
             if self.sharded:
                 fully_shard(self.modules[s], mesh=self.dp_mesh, reshard_after_forward=False)
             self.boundaries[s] = BoundaryMeter(self.modules[s])
@@ -287,12 +293,16 @@ class PipelineStrategy:
     def train_step(self, micro_batches: list[Batch]) -> StepOutput:
         assert self.schedule is not None and self.optimizer is not None, "setup() first"
         assert self.scheduler is not None
-        x = torch.cat([b[0] for b in micro_batches]).to(self.ctx.device)
-        y = torch.cat([b[1] for b in micro_batches]).to(self.ctx.device)
+        x, y = to_device(
+            (torch.cat([b[0] for b in micro_batches]), torch.cat([b[1] for b in micro_batches])),
+            self.ctx.device,
+            pin_memory=self.cfg.train.pin_memory,
+        )
         args = (x,) if self.holds_first else ()
         losses: list[torch.Tensor] = []
         start = time.perf_counter()
-        self.schedule.step(*args, target=y if self.holds_last else None, losses=losses)
+        with autocast(self.cfg, self.ctx.device):
+            self.schedule.step(*args, target=y if self.holds_last else None, losses=losses)
         self._record_step_time(time.perf_counter() - start)
         place_like_parameters(self._params())
         grads = [local_part(p.grad) for p in self._params() if p.grad is not None]
@@ -373,8 +383,9 @@ class PipelineStrategy:
         (shapes first: held-out batches may differ from training's); the last stage's
         ranks add up the task's sums, and every rank gets the total."""
         restore = eval_mode(self.modules.values())
-        sums = evaluate(self.task, self._eval_forward, batches, device=self.ctx.device)
-        self._match_replicas_forwards(len(batches))
+        with autocast(self.cfg, self.ctx.device):
+            sums = evaluate(self.task, self._eval_forward, batches, device=self.ctx.device)
+            self._match_replicas_forwards(len(batches))
         restore()
         if self.grid.tp_rank != 0:  # its tp group holds the same sums: count them once
             sums.zero_()

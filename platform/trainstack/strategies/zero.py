@@ -28,9 +28,11 @@ from trainstack.optim import build_optimizer, scaled_lr
 from trainstack.strategies.base import (
     StepOutput,
     WorkerContext,
+    apply_compile,
     fast_forward_schedule,
     storage_bytes,
     tensors_in,
+    to_device,
 )
 from trainstack.strategies.deepspeed_engine import (
     UNSAVED_OPTIMIZER_KEYS,
@@ -107,6 +109,7 @@ class ZeROStrategy:
     def setup(self, model: nn.Module) -> None:
         init_deepspeed_comm(self.ctx)
         model.to(self.ctx.device)
+        apply_compile(self.cfg, model)
         lr = scaled_lr(self.cfg.optim, data_parallel_size=self.ctx.world_size)
         optimizer = self._build_optimizer(model, lr=lr)
         self.engine, self.scheduler = build_engine(
@@ -146,7 +149,7 @@ class ZeROStrategy:
         lr = float(self.scheduler.get_last_lr()[0])
         total = torch.zeros((), device=self.ctx.device)
         for x, y in micro_batches:
-            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+            x, y = to_device((x, y), self.ctx.device, pin_memory=self.cfg.train.pin_memory)
             loss = self.task.loss(engine(x), y, inputs=x)
             engine.backward(loss)  # scales by 1/accum; reduces (stage 2, 3) or accumulates
             self._peak_grad_bytes = max(self._peak_grad_bytes, self._held_grad_bytes())
