@@ -3,6 +3,7 @@
 trainstack run jobs/configs/demo.yaml --set train.steps=50 --summary-json out.json
 trainstack prepare jobs/configs/stdlib_gpt.yaml
 trainstack sweep tune/demo_sweep.yaml [--resume]
+trainstack plan jobs/configs/demo.yaml --devices 8 --device-memory 80GB
 trainstack report runs/demo
 """
 
@@ -266,8 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a spec key, e.g. --set data.tokenizer=tokenizer.json (repeatable)",
     )
     prepare.set_defaults(handler=prepare_command)
+    from trainstack.planner.command import add_plan_parser
     from trainstack.report import add_report_parser
 
+    add_plan_parser(commands)
     add_report_parser(commands)
     return parser
 

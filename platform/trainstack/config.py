@@ -209,7 +209,9 @@ class OptimConfig:
 class StrategyConfig:
     kind: str = "ddp"
     """Parallelism strategy: `ddp`, `zero` (DeepSpeed ZeRO), `fsdp` (FSDP2 with tensor
-    parallelism on one device mesh), `pipeline` or `ps` (parameter server)."""
+    parallelism on one device mesh), `pipeline`, `ps` (parameter server), or `auto` (the
+    layout `trainstack plan` recommends for scaling.num_workers devices, chosen at
+    launch)."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size in MiB (> 0)."""
     gradient_as_bucket_view: bool = False
@@ -321,6 +323,10 @@ class ScalingConfig:
     resources_per_worker: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources each worker needs besides its CPUs (and GPU), e.g.
     `{trainstack_worker_node: 1}` to train only on the nodes that advertise it."""
+    device_memory: str = ""
+    """Memory of one worker's device for the plan (`strategy.kind: auto`, the pre-flight
+    memory check, `trainstack plan`), e.g. `80GB` or `16GiB`; empty: the local GPU's,
+    else this machine's memory divided among the workers."""
 
     @property
     def elastic(self) -> bool:

@@ -11,7 +11,7 @@ import math
 import re
 from typing import TYPE_CHECKING, Any
 
-from trainstack.config_fields import ConfigError, show
+from trainstack.config_fields import ConfigError, parse_quantity, show
 from trainstack.config_layout import validate_mesh
 from trainstack.storage import check_uri, is_store_uri
 
@@ -55,7 +55,7 @@ PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
 OPTIM_KINDS: tuple[str, ...] = ("adamw", "sgd")
 LR_SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
 LR_SCALINGS: tuple[str, ...] = ("none", "linear", "sqrt")
-STRATEGY_KINDS: tuple[str, ...] = ("ddp", "zero", "fsdp", "pipeline", "ps")
+STRATEGY_KINDS: tuple[str, ...] = ("ddp", "zero", "fsdp", "pipeline", "ps", "auto")
 PS_CONSISTENCY: tuple[str, ...] = ("async", "ssp", "bsp")
 PS_STALENESS_LR: tuple[str, ...] = ("none", "inverse")
 PIPELINE_SCHEDULES: tuple[str, ...] = (
@@ -701,6 +701,8 @@ def _validate_compression(cfg: JobConfig) -> None:
 
 def _validate_scaling(s: ScalingConfig) -> None:
     _require("scaling.num_workers", s.num_workers >= 1, s.num_workers, ">= 1")
+    if s.device_memory:
+        parse_quantity("scaling.device_memory", s.device_memory, units=True, example="80GB")
     _cap("scaling.num_workers", s.num_workers, MAX_WORKERS)
     _require("scaling.cpus_per_worker", s.cpus_per_worker > 0, s.cpus_per_worker, "> 0")
     _cap("scaling.cpus_per_worker", s.cpus_per_worker, MAX_CPUS_PER_WORKER)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import difflib
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import fields, is_dataclass
 from typing import Any, TypeVar, get_args, get_origin, get_type_hints
@@ -174,3 +175,32 @@ def first_line(error: BaseException) -> str:
 
 def got(value: object) -> str:
     return "null" if value is None else f"{show(value)} ({type(value).__name__})"
+
+
+BYTE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_QUANTITY = re.compile(r"(\d+(?:\.\d*)?(?:e[+-]?\d+)?)\s*([a-z]*)", re.IGNORECASE)
+
+
+def parse_quantity(key: str, text: str, *, units: bool, example: str, suffix: str = "") -> float:
+    """`80GB`, `16GiB`, `100GB/s` (with `suffix` "/s"), `989e12` as a positive number
+    (GB = 1e9 bytes, GiB = 2**30); ConfigError naming `key` (a spec key or a flag)."""
+    body = text.strip().removesuffix(suffix)
+    match = _QUANTITY.fullmatch(body)
+    unit = match[2].lower() if match else ""
+    if match is None or unit not in BYTE_UNITS or (unit and not units) or float(match[1]) <= 0:
+        form = "a positive number"
+        if units:
+            form += " with an optional unit B, KB, MB, GB, TB, KiB, MiB, GiB or TiB"
+        raise ConfigError(f"{key}={text}: not a quantity; allowed: {form}, e.g. {example}")
+    return float(match[1]) * BYTE_UNITS[unit]

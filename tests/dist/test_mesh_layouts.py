@@ -12,6 +12,8 @@ import torch
 
 from trainstack import checkpoint as ckpt
 from trainstack.config import config_from_dict
+from trainstack.planner.choose import layout_of
+from trainstack.planner.memory import model_state_bytes
 from trainstack.runtime.capacity import model_state
 from trainstack.runtime.local import run_processes
 
@@ -209,6 +211,26 @@ FOUR_LAYERS = {"model": {**spec("ddp1", Path())["model"], "n_layer": 4}}
 @pytest.fixture(scope="module")
 def four_layer_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     return train(tmp_path_factory.mktemp("ddp1-4"), "ddp1", **FOUR_LAYERS)[0]
+
+
+@pytest.mark.parametrize(
+    "layout", ["ddp1", "fsdp2", "fsdp4", "tp2", "tp2xdp2", "hsdp2x2", "pp2xtp2", "pp2xfsdp2"]
+)
+def test_the_plan_predicts_each_layouts_model_state_within_10_percent(
+    runs: Runs, tmp_path: Path, layout: str
+) -> None:
+    """Rank 0's parameters, gradients and AdamW state, measured from its tensors, against
+    what `trainstack plan` and `strategy.kind: auto` assume for the layout."""
+    _, summary = runs(layout)
+    layout_plan = layout_of(config_from_dict(spec(layout, tmp_path)))
+    assert layout_plan is not None
+    planned = model_state_bytes(
+        layout_plan, params=summary["params"], element_bytes=4, optimizer_bytes=8
+    ).total
+    held = summary["model_state_bytes"]
+    measured = held["params"] + held["grads"] + held["optimizer"]
+    print(f"{layout}: measured {measured:,} bytes, planned {planned:,} ({measured / planned:.3f})")
+    assert measured == pytest.approx(planned, rel=0.10)
 
 
 @pytest.mark.parametrize("schedule", ["interleaved", "dualpipev"])

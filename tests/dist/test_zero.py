@@ -13,6 +13,8 @@ import torch
 from trainstack import checkpoint as ckpt
 from trainstack.config import config_from_dict
 from trainstack.models import build_model
+from trainstack.planner.layouts import Layout
+from trainstack.planner.memory import model_state_bytes
 from trainstack.runtime.local import run_processes
 from trainstack.strategies.zero import deepspeed_config
 
@@ -177,6 +179,15 @@ def assert_model_state_matches_the_paper(
     for part, value in expected.items():
         assert abs(measured[part] - value) <= 0.01 * total, part
     assert abs(sum(measured.values()) - total) <= 0.01 * total
+    # ... and the planner (`trainstack plan`, `strategy.kind: auto`) predicts it.
+    layout = (
+        Layout(kind="ddp", devices=2) if stage == 0 else Layout(kind="zero", devices=2, stage=stage)
+    )
+    element = 4 if precision == "fp32" else 2
+    planned = model_state_bytes(
+        layout, params=summary["params"], element_bytes=element, optimizer_bytes=8
+    ).total
+    assert abs(sum(measured.values()) - planned) <= 0.10 * planned
 
 
 @pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3"])

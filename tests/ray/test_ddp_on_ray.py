@@ -1,4 +1,5 @@
-"""The demo job trains through a Ray Train worker group down to the data's entropy floor."""
+"""The demo job trains through a Ray Train worker group down to the data's entropy floor,
+on the layout `strategy.kind: auto` picks for it (DDP), said in the summary and MLflow."""
 
 import io
 import json
@@ -28,12 +29,22 @@ def test_demo_variant_reaches_entropy_floor_on_two_workers(
             "data.order=1",
             "log.every_steps=20",
             f"checkpoint.storage_path={tmp_path}",
+            "strategy.kind=auto",  # the plan picks DDP for a model this small
+            "tracking.backend=mlflow",
+            f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
         ],
     )
     stream = io.StringIO()
     summary = run_job(cfg, display=ProgressDisplay(mode="jsonl", stream=stream))
 
     assert summary["world_size"] == 2 and summary["strategy"] == "ddp"
+    choice = summary["strategy_choice"]
+    assert choice.startswith("strategy.kind=auto chose ddp 2 (strategy.kind=ddp")
+    import mlflow
+
+    run = mlflow.MlflowClient(tracking_uri=cfg.tracking.uri).get_run(summary["mlflow_run_id"])
+    assert run.data.tags["trainstack.strategy_choice"] == choice
+    assert run.data.params["strategy.kind"] == "ddp"
     assert summary["steps"] == 120
     floor = summary["entropy_floor"]
     assert 0 < floor < summary["final_loss"] <= 1.10 * floor

@@ -31,6 +31,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from trainstack import checkpoint as ckpt
 from trainstack.config import ConfigError, JobConfig, config_from_dict, config_to_dict
 from trainstack.data.ray_source import ray_datasets, ray_ingest_config
+from trainstack.planner.choose import check_layout_fits, resolve_auto
 from trainstack.runtime.capacity import (
     attempt_timeout_s,
     check_fits_this_machine,
@@ -311,9 +312,16 @@ def run_job(
             "(its shards start from the seed); drop --resume-from, or start from that "
             "checkpoint with strategy.kind ddp, zero or pipeline"
         )
+    choice = None
+    if cfg.strategy.kind == "auto":  # the plan's recommended layout, said and tracked
+        cfg, choice = resolve_auto(cfg)
+        if display is not None:
+            display.note(choice)
+        tracking_tags = {**(tracking_tags or {}), "trainstack.strategy_choice": choice}
     target = ray_target(address)
     if target == "local":  # the workers can only ever have this machine
         check_fits_this_machine(cfg)
+        check_layout_fits(cfg)
     report = preflight(cfg)
     cfg = report.cfg
     run_dir = ckpt.run_dir_for(cfg)  # local: tracking record, fault markers, telemetry
@@ -422,6 +430,7 @@ def run_job(
         resizes=follower.resizes,
         mlflow_run_id=tracker.run_id,
         tracking_error=tracker.error,
+        strategy_choice=choice,
     )
     tracker.finish(summary, failed=False)
     return summary

@@ -1,0 +1,189 @@
+"""The plan at launch: `strategy.kind: auto` takes its recommended layout, and every run
+is checked against the devices' memory before anything starts.
+
+Both plan for `scaling.num_workers` devices (`default_hardware`) of the memory the spec
+states (`scaling.device_memory`), else of this machine: its GPU's for each worker with
+`scaling.use_gpu`, else its memory divided among the workers (a local run's workers
+share it). On a cluster the driver cannot see the workers' devices before connecting,
+so the launcher checks the layout only for local runs; `auto` plans with
+`scaling.device_memory` or this machine's figures, and its line says which.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainstack.config import ConfigError, JobConfig, config_from_dict, config_to_dict, set_key
+from trainstack.config_fields import parse_quantity
+from trainstack.planner.command import format_bytes, format_seconds, format_value
+from trainstack.planner.layouts import Layout
+from trainstack.planner.plan import Estimate, Hardware, Plan, estimate, make_plan
+from trainstack.planner.workload import Workload, workload_from_spec
+
+BANDWIDTH = 100e9
+"""Bytes a second a rank sends, as `trainstack plan` assumes by default."""
+PEAK_FLOPS = 989e12
+"""One device's peak, as `trainstack plan` assumes by default (an H100's dense bf16)."""
+
+
+def default_hardware(cfg: JobConfig, *, devices: int) -> Hardware:
+    """`devices` ranks with the memory each worker of this job gets: the spec's
+    `scaling.device_memory`, else on this machine."""
+    import torch
+
+    if cfg.scaling.device_memory:
+        memory = int(
+            parse_quantity(
+                "scaling.device_memory", cfg.scaling.device_memory, units=True, example="80GB"
+            )
+        )
+    elif cfg.scaling.use_gpu and torch.cuda.is_available():
+        memory = int(torch.cuda.get_device_properties(0).total_memory)
+    else:
+        from trainstack.runtime.capacity import local_memory_bytes
+
+        memory = local_memory_bytes() // devices
+    return Hardware(
+        devices=devices, memory_bytes=memory, bandwidth=BANDWIDTH, peak_flops=PEAK_FLOPS
+    )
+
+
+def resolve_auto(cfg: JobConfig) -> tuple[JobConfig, str]:
+    """`cfg` with `strategy.kind: auto` replaced by the plan's recommended layout on
+    `scaling.num_workers` devices (its strategy keys, micro-batch size and activation
+    checkpointing), and one line saying which and why. ConfigError when nothing fits."""
+    workload = workload_from_spec(cfg)
+    hardware = default_hardware(cfg, devices=cfg.scaling.num_workers)
+    plan = make_plan(workload, hardware, runnable=lambda keys: _runs(cfg, keys) is not None)
+    best = plan.recommended
+    if best is None:
+        raise ConfigError(f"strategy.kind=auto: {_nothing_fits(plan)}")
+    chosen = _runs(cfg, best.spec_keys())
+    assert chosen is not None, "make_plan keeps only runnable settings"
+    fitting = sum(row.fits for row in plan.rows)
+    keys = ", ".join(f"{k}={format_value(v)}" for k, v in best.spec_keys().items())
+    why = (
+        f"strategy.kind=auto chose {best.layout.name} ({keys}): the fastest modelled step, "
+        f"{format_seconds(best.step_s)}, of the {fitting} of {len(plan.rows)} layouts that "
+        f"fit {format_bytes(hardware.memory_bytes)} a device; it needs about "
+        f"{format_bytes(best.memory)} a rank"
+    )
+    return chosen, why + _unfit_note(plan)
+
+
+def check_layout_fits(cfg: JobConfig) -> None:
+    """Raise ConfigError when the plan says the spec's own layout needs more memory a
+    rank than this machine gives each worker, naming the plan's figure and the best
+    layout that fits. The parameter server, and models the plan cannot size (no
+    meta-device build, pretrained weights), are left to pre-flight."""
+    layout = layout_of(cfg)
+    if layout is None:
+        return
+    try:
+        workload = workload_from_spec(cfg)
+    except ConfigError:  # a model that does not build: pre-flight's real build says why
+        return
+    hardware = default_hardware(cfg, devices=cfg.scaling.num_workers)
+    mine = _estimate_of(cfg, workload, layout, hardware)
+    if mine is None or mine.fits:
+        return
+    plan = make_plan(workload, hardware, runnable=lambda keys: _runs(cfg, keys) is not None)
+    best = plan.recommended
+    instead = "; nothing the plan knows fits either: use a smaller model or more devices"
+    if best is not None:
+        keys = " ".join(f"--set {k}={format_value(v)}" for k, v in best.spec_keys().items())
+        instead = (
+            f"; the plan's best layout that fits is {best.layout.name}, about "
+            f"{format_bytes(best.memory)} a rank ({keys}, or strategy.kind=auto)"
+        )
+    activations = (
+        "" if mine.activations is None else f" + activations {format_bytes(mine.activations)}"
+    )
+    state, overhead = format_bytes(mine.state.device), format_bytes(mine.overhead)
+    raise ConfigError(
+        f"{layout.name} needs about {format_bytes(mine.memory)} a rank (model state "
+        f"{state}{activations} + {overhead} framework), more than the "
+        f"{format_bytes(hardware.memory_bytes)} each worker has here{instead}"
+    )
+
+
+def layout_of(cfg: JobConfig) -> Layout | None:
+    """The plan's layout for the spec's strategy; None for the parameter server."""
+    s, n = cfg.strategy, cfg.scaling.num_workers
+    if s.kind == "ddp":
+        return Layout(kind="ddp", devices=n)
+    if s.kind == "zero":
+        return Layout(
+            kind="zero",
+            devices=n,
+            stage=s.stage,
+            offload_optimizer=s.offload_optimizer != "none",
+            offload_param=s.offload_param != "none",
+        )
+    if s.kind == "fsdp":
+        return Layout(
+            kind="fsdp",
+            devices=n,
+            offload_param=s.offload_param != "none",
+            reshard_after_forward=s.reshard_after_forward,
+            tensor_parallel=s.tensor_parallel,
+            replicate=s.data_parallel_replicate,
+        )
+    if s.kind == "pipeline":
+        return Layout(
+            kind="pipeline",
+            devices=n,
+            stages=s.stages,
+            tensor_parallel=s.tensor_parallel,
+            shard_replicas=s.shard_replicas and s.data_parallel > 1,
+            replicate=s.data_parallel_replicate,
+        )
+    return None
+
+
+def _estimate_of(
+    cfg: JobConfig, workload: Workload, layout: Layout, hardware: Hardware
+) -> Estimate | None:
+    """The spec's own setting: its micro-batch size and activation checkpointing."""
+    micro = cfg.train.micro_batch_size
+    if layout.kind == "pipeline":  # a replica's batch in m micro-batches
+        micro = workload.global_batch // (layout.data_parallel * cfg.strategy.microbatches)
+    if micro < 1:
+        return None
+    return estimate(
+        workload,
+        layout,
+        hardware,
+        micro_batch=micro,
+        recompute=cfg.model.activation_checkpointing,
+    )
+
+
+def _runs(cfg: JobConfig, keys: dict[str, Any]) -> JobConfig | None:
+    """The spec with its strategy replaced by `keys` (`--set` form), or None when the
+    spec refuses that (its compression, data or model cannot go with the layout)."""
+    raw = config_to_dict(cfg) | {"strategy": {}}
+    for key, value in keys.items():
+        raw = set_key(raw, key, value, what="strategy.kind=auto")
+    try:
+        return config_from_dict(raw)
+    except ConfigError:
+        return None
+
+
+def _nothing_fits(plan: Plan) -> str:
+    memory = format_bytes(plan.hardware.memory_bytes)
+    if not plan.rows:
+        return f"the spec allows no layout on {plan.hardware.devices} devices"
+    smallest = min(plan.rows, key=lambda r: r.memory)
+    return (
+        f"no layout fits {memory} a device; the smallest, {smallest.layout.name}, needs "
+        f"about {format_bytes(smallest.memory)} a rank: use a smaller model or more devices"
+    )
+
+
+def _unfit_note(plan: Plan) -> str:
+    ddp = next((row for row in plan.rows if row.layout.kind == "ddp"), None)
+    if ddp is None or ddp.fits:
+        return ""
+    return f" (ddp would need about {format_bytes(ddp.memory)})"

@@ -1,0 +1,140 @@
+"""What a plan needs to know of a job: its parameter count, its transformer shape (when
+it has one), the samples in a step, and the bytes its dtypes and optimizer take."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from trainstack.config import ConfigError, JobConfig, config_from_dict, config_to_dict, set_key
+
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransformerShape:
+    """The sizes the activation and tensor-parallel formulas take."""
+
+    layers: int
+    """L: transformer blocks."""
+    hidden: int
+    """h: the residual stream's width."""
+    heads: int
+    """a: attention heads."""
+    seq: int
+    """s: tokens per sample."""
+    sequence_parallel: bool = True
+    """Whether trainstack's tensor-parallel plan also splits the sequence between
+    blocks: the GPT's does; a Hugging Face Llama's does not (rotary embeddings need the
+    whole sequence)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """One optimizer step of a job, in the numbers the cost model takes."""
+
+    params: int
+    """Ψ: trainable parameters."""
+    shape: TransformerShape | None
+    """None for models without a known transformer shape: activations are not modelled."""
+    global_batch: int
+    """Samples in one optimizer step, over all data-parallel ranks."""
+    tokens_per_sample: int
+    """Tokens a sample trains on (`model.block_size` for `task.kind: lm`, else 1)."""
+    element_bytes: int
+    """Bytes of a training-dtype element: 4 in fp32, 2 in bf16 (activations, ZeRO's
+    parameters and gradients, FSDP's gathered parameters)."""
+    optimizer_bytes: int
+    """fp32 optimizer state per parameter: AdamW 8, SGD with momentum 4, without 0."""
+    dropout: bool
+    """Whether dropout masks are kept (1 byte an element in the activation formulas)."""
+    model: str
+    """The model, for messages: `model.kind=gpt (n_layer=2, n_embd=64, n_head=2)`."""
+
+
+def workload_from_spec(cfg: JobConfig) -> Workload:
+    """The spec's model, batch, precision and optimizer as a `Workload`."""
+    m = cfg.model
+    params = parameter_count(cfg)
+    shape = transformer_shape(cfg)
+    optimizer = (
+        2 * FP32_BYTES if cfg.optim.kind == "adamw" else FP32_BYTES * (cfg.optim.momentum > 0)
+    )
+    name = f"model.kind={m.kind}"
+    if shape is not None:
+        name += f" (layers {shape.layers}, hidden {shape.hidden}, heads {shape.heads})"
+    return Workload(
+        params=params,
+        shape=shape,
+        global_batch=cfg.train.global_batch_size,
+        tokens_per_sample=m.block_size if cfg.task.kind == "lm" else 1,
+        element_bytes=FP32_BYTES if cfg.train.precision == "fp32" else 2,
+        optimizer_bytes=optimizer,
+        dropout=m.dropout > 0,
+        model=name,
+    )
+
+
+def parameter_count(cfg: JobConfig) -> int:
+    """The model's parameters without allocating them: by formula for the built-in
+    models, else built on the meta device (as `runtime.capacity.parameter_count`, but
+    saying why a build fails)."""
+    import torch
+
+    from trainstack.models import MODELS, build_model, num_params
+    from trainstack.user_code import describe_exception
+
+    m = cfg.model
+    if m.kind in MODELS:
+        numel, _ = MODELS[m.kind].count_parameters(m, vocab_size=cfg.data.vocab_size)
+        return numel
+    if m.pretrained:
+        raise ConfigError(
+            f"model.pretrained={m.pretrained}: trainstack plan reads no weights; allowed: "
+            "plan the same model.hf without model.pretrained"
+        )
+    try:
+        with torch.device("meta"):
+            model = build_model(m, vocab_size=cfg.data.vocab_size, seed=cfg.train.seed)
+    except ConfigError:
+        raise
+    except Exception as e:  # the user's code
+        raise ConfigError(
+            f"model.kind={m.kind}: building it on the meta device to count its parameters "
+            f"raised {describe_exception(e)}"
+        ) from None
+    return num_params(model)
+
+
+def transformer_shape(cfg: JobConfig) -> TransformerShape | None:
+    """The GPT's `n_layer`, `n_embd`, `n_head`, a Hugging Face config's
+    `num_hidden_layers`, `hidden_size`, `num_attention_heads`, with `model.block_size`
+    tokens; None for other models."""
+    m = cfg.model
+    if m.kind == "gpt":
+        return TransformerShape(layers=m.n_layer, hidden=m.n_embd, heads=m.n_head, seq=m.block_size)
+    if m.kind == "hf":
+        from trainstack.models.hf import hf_config
+
+        config = hf_config(m, vocab_size=cfg.data.vocab_size)
+        return TransformerShape(
+            layers=config.num_hidden_layers,
+            hidden=config.hidden_size,
+            heads=config.num_attention_heads,
+            seq=m.block_size,
+            sequence_parallel=False,
+        )
+    return None
+
+
+def spec_accepts(cfg: JobConfig, keys: dict[str, Any]) -> bool:
+    """Whether the spec validates with its strategy (and compression, which the plan does
+    not model) replaced by `keys` (`--set` form): a layout trainstack can run."""
+    raw = config_to_dict(cfg) | {"strategy": {}, "compression": {}}
+    for key, value in keys.items():
+        raw = set_key(raw, key, value, what="trainstack plan")
+    try:
+        config_from_dict(raw)
+    except ConfigError:
+        return False
+    return True

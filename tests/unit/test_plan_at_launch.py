@@ -1,0 +1,78 @@
+"""The plan at launch: `strategy.kind: auto` resolves to the recommended layout, and a
+layout the devices cannot hold is refused before anything starts, with the plan's
+figure and the best layout that fits."""
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trainstack.config import ConfigError, config_from_dict, load_config
+from trainstack.planner.choose import check_layout_fits, resolve_auto
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def spec(tmp_path: Path, **sections: dict[str, Any]) -> dict[str, Any]:
+    """A 6.3M-parameter GPT on two workers: DDP holds 101 MB of weights, gradients and
+    AdamW state a rank, sharded layouts about half."""
+    raw: dict[str, Any] = {
+        "name": "plan",
+        "model": {"kind": "gpt", "n_layer": 8, "n_head": 4, "n_embd": 256, "block_size": 32},
+        "data": {"vocab_size": 16},
+        "train": {"steps": 20, "global_batch_size": 8, "micro_batch_size": 4},
+        "scaling": {"num_workers": 2},
+        "checkpoint": {"storage_path": str(tmp_path)},
+    }
+    for name, values in sections.items():
+        raw[name] = {**raw.get(name, {}), **values}
+    return raw
+
+
+def test_auto_takes_the_simplest_of_equally_fast_layouts_and_says_why(tmp_path: Path) -> None:
+    """The demo's model is so small that DDP, ZeRO-1/2 and unresharded FSDP model the
+    same step time: the tie goes to DDP."""
+    cfg = load_config(
+        str(ROOT / "jobs/configs/demo.yaml"),
+        ["strategy.kind=auto", "scaling.device_memory=80GB", f"checkpoint.storage_path={tmp_path}"],
+    )
+    chosen, why = resolve_auto(cfg)
+    assert chosen.strategy.kind == "ddp" and chosen.scaling.num_workers == 2
+    assert why.startswith("strategy.kind=auto chose ddp 2 (strategy.kind=ddp")
+    assert "layouts that fit 80 GB a device" in why and "\n" not in why
+
+
+def test_auto_shards_what_ddp_cannot_hold(tmp_path: Path) -> None:
+    tight = {"device_memory": "1.15GB"}
+    cfg = config_from_dict(spec(tmp_path, strategy={"kind": "auto"}, scaling=tight))
+    chosen, why = resolve_auto(cfg)
+    assert chosen.strategy.kind in ("zero", "fsdp", "pipeline")
+    assert "(ddp would need about" in why
+
+
+def test_auto_with_nothing_that_fits_is_one_line(tmp_path: Path) -> None:
+    cfg = config_from_dict(
+        spec(tmp_path, strategy={"kind": "auto"}, scaling={"device_memory": "100MB"})
+    )
+    with pytest.raises(ConfigError, match="no layout fits 100 MB a device; the smallest") as err:
+        resolve_auto(cfg)
+    assert "\n" not in str(err.value)
+
+
+def test_a_layout_the_devices_cannot_hold_is_refused_with_the_best_that_fits(
+    tmp_path: Path,
+) -> None:
+    cfg = config_from_dict(spec(tmp_path, scaling={"device_memory": "1.15GB"}))
+    with pytest.raises(ConfigError) as err:
+        check_layout_fits(cfg)
+    message = str(err.value)
+    assert message.startswith("ddp 2 needs about ")
+    assert "more than the 1.15 GB each worker has here" in message
+    assert "the plan's best layout that fits is " in message and "\n" not in message
+    roomy = config_from_dict(spec(tmp_path, scaling={"device_memory": "2GB"}))
+    check_layout_fits(roomy)  # fits: no error
+
+
+def test_a_bad_device_memory_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"scaling\.device_memory=80XB: not a quantity"):
+        config_from_dict(spec(tmp_path, scaling={"device_memory": "80XB"}))
