@@ -86,6 +86,10 @@ def test_job_submit_trains_demo_on_head_node(
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "succeeded" in proc.stdout
     assert "step 30/30" in proc.stdout
+    # The job's log says where to watch it and how to get past the token login.
+    dashboard = head_node.removesuffix("/")
+    assert f"trainstack: Ray dashboard: {dashboard} (it asks for the cluster's token" in proc.stdout
+    assert "`ray get-auth-token`" in proc.stdout
     summary = json.loads(summary_path.read_text())
     assert summary["steps"] == 30 and summary["world_size"] == 2
     # Thirty steps only start down from uniform guessing (ln 32 = 3.466; the untrained

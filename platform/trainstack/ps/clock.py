@@ -56,7 +56,8 @@ class StalenessBound:
 
 @dataclass(frozen=True, kw_only=True)
 class ActorNames:
-    """The Ray names of one run's clock board and shards."""
+    """The Ray names of one run's clock board, shards and workers: what the Ray
+    dashboard's Actors page lists them as (`trainstack-ps-<run name>-<id>-shard-0`)."""
 
     prefix: str
 
@@ -66,6 +67,9 @@ class ActorNames:
 
     def shard(self, index: int) -> str:
         return f"{self.prefix}-shard-{index}"
+
+    def worker(self, index: int) -> str:
+        return f"{self.prefix}-worker-{index}"
 
     @staticmethod
     def find(name: str) -> Any:

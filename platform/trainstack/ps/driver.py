@@ -72,7 +72,7 @@ def run_parameter_server(
 
     # Actors find each other by name: an actor handle among a restartable actor's
     # constructor arguments lives in the object store, where a restart may not find it.
-    names = ActorNames(prefix=f"trainstack-ps-{uuid.uuid4().hex[:12]}")
+    names = ActorNames(prefix=f"trainstack-ps-{cfg.name}-{uuid.uuid4().hex[:6]}")
     board: Any = (
         ray.remote(ClockBoard)
         .options(
@@ -113,6 +113,7 @@ def run_parameter_server(
     worker_actors: list[Any] = [
         ray.remote(ParameterServerWorker)
         .options(
+            name=names.worker(w),
             num_cpus=cfg.scaling.cpus_per_worker,
             resources=dict(cfg.scaling.resources_per_worker),
             scheduling_strategy=OWN_RESOURCES,

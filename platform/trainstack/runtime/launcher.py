@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +70,20 @@ def connect(address: str | None, *, log_to_driver: bool = True) -> bool:
         # "local": a new instance even when a `ray start` cluster runs on this machine.
         ray.init(address="local", log_to_driver=log_to_driver)
     return target == "local"
+
+
+def dashboard_line() -> str:
+    """Where to watch the run (call once connected): the Ray dashboard's address and,
+    with token authentication on, how to get past its login."""
+    from ray._private import worker
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+    node = worker._global_node
+    url = f"http://{node.webui_url}" if node is not None and node.webui_url else None
+    line = f"Ray dashboard: {url}" if url else "Ray dashboard: not started by this Ray"
+    if url and is_token_auth_enabled():
+        line += " (it asks for the cluster's token: paste what `ray get-auth-token` prints)"
+    return line
 
 
 def ray_target(address: str | None) -> str | None:
@@ -340,6 +355,8 @@ def run_job(
         return summary
 
     started_local = connect(address)
+    if display is not None:
+        display.note(dashboard_line())
     waiting = cluster_wait_note(cfg, ray.available_resources()) if target == "cluster" else None
     if waiting is not None and display is not None:
         display.note(waiting)
@@ -356,7 +373,13 @@ def run_job(
         on_record=on_record,
         telemetry=RunTelemetry.for_driver(cfg, run_dir=run_dir),
     )
-    events = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": on_this_node()})
+    events = Queue(
+        actor_options={
+            "name": f"trainstack-events-{cfg.name}-{uuid.uuid4().hex[:6]}",
+            "num_cpus": 0,
+            "scheduling_strategy": on_this_node(),
+        }
+    )
     s = cfg.scaling
     resources: dict[str, float] = {"CPU": s.cpus_per_worker, **s.resources_per_worker}
     if s.use_gpu:
