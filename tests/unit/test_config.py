@@ -209,7 +209,8 @@ def test_lenient_scalar_coercion() -> None:
         ),
         (
             {"strategy": {"kind": "dpp"}},
-            "strategy.kind='dpp' is not one of ddp, zero, fsdp, pipeline, ps, auto; did you mean 'ddp'?",
+            "strategy.kind='dpp' is not one of ddp, zero, fsdp, pipeline, ps, auto; "
+            "did you mean 'ddp'?",
         ),
         ({"log": {"progress": "bars"}}, "log.progress='bars' is not one of auto, bar, lines"),
         ({"optim": {"warmup_steps": 200}}, "optim.warmup_steps=200 must be less than train.steps"),

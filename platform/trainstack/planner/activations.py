@@ -26,15 +26,17 @@ its 24sbh/t is 12e·sbh/t (`ActivationDtype`; e = 2, m = 1 gives the paper's num
 and output, r of the residual stream (`Precision`), and w of autocast's weight copies:
 
     norms      2r·sbh + 4r·sb     ln_1 and ln_2 inputs, their mean and 1/std
-    norm outs  2e·sbh             the inputs of q/k/v and c_fc
+    norm outs  2e·sbh             the inputs of q/k/v (one tensor) and c_fc; 4e·sbh
+                                  under autocast, which casts the fp32 norm output once
+                                  for each matmul reading it (weights' casts are cached)
     attention  4e·sbh + 4asb      SDPA's q, k, v, output (c_proj's input: same storage)
                                   and fp32 logsumexp; no s × s tensor
     MLP        8e·sbh             GELU's input and output (4h wide each)
     dropout    2m·sbh             resid_drop's and the MLP's masks (dropout > 0)
     weights    12h²·w             autocast's bf16 copies of the six matmul weights
 
-so 16 elements a token and width, as the paper's 34sbh without its masks, and no
-5as²b. The ends: the embedding keeps the token and position ids (8sb + 8s) and its
+in fp32 without dropout 16 elements a token and width, as the paper's 34sbh without
+its masks, and no 5as²b. The ends: the embedding keeps the token and position ids (8sb + 8s) and its
 dropout mask (m·sbh); the head keeps ln_f's input and statistics, its output (e·sbh),
 the LM head's weight copy (w·Vh) and cross-entropy's fp32 log-probabilities (4sbV)
 and targets (8sb). Precisions (`FP32`, `AUTOCAST_BF16`, `BF16_WEIGHTS`): fp32 has
@@ -52,9 +54,14 @@ unless `loss_parallel`. Measured single-process on a fake two-rank process group
 **A Hugging Face Llama** (`llama_layer_bytes`; no sequence parallelism, so the norms and
 the residual stream are whole on every rank and the rest /t), with g key/value heads
 and intermediate size i: RMSNorm keeps its input in fp32, the normalised input and the
-output, (4 + r + e)·sbh + 4sb, twice; attention q, output (2e·sbh) and k, v (2e·sbh·g/a)
-after rotary, logsumexp, and the rotary cos and sin (2r·s·h/a); the SwiGLU MLP
-4e·sbi (gate, up, SiLU output, product); weights (2h² + 2h²g/a + 3hi)·w.
+output, (4 + r + e)·sbh + 4sb, twice (the output 5e·sbh in all under autocast: q, k,
+v, gate and up each cast it); attention q, output (2e·sbh) and k, v (2e·sbh·g/a) after
+rotary, logsumexp, and the rotary cos and sin (2r·s·h/a); the SwiGLU MLP 4e·sbi (gate,
+up, SiLU output, product); weights (2h² + 2h²g/a + 3hi)·w. The plan's `TransformerShape`
+carries neither g, i nor V, so `plan` gives a Hugging Face model the paper's
+tensor-parallel formula (eq. 2) with fused attention: per layer at Llama-7B's shape
+(s = h = 4096, a = g = 32, i = 11008, b = 1) 64 against this expression's 83 bytes a
+token and width in fp32, 32 against 80 under bf16 autocast (its weight copies 24).
 
 **Device.** On CUDA (what a plan is for) dropout is fused (`native_dropout`: 1-byte
 masks) and SDPA's flash and memory-efficient kernels take dropout. On a CPU dropout
@@ -74,7 +81,7 @@ larger of the two.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from trainstack.planner.workload import TransformerShape
@@ -185,6 +192,13 @@ class Precision:
     weight_copy_bytes: int
     """w: autocast's low-precision copy of each matmul weight, which the matmul saves."""
 
+    @property
+    def casts_norm_outputs(self) -> bool:
+        """Whether a norm's output (residual dtype) is cast for each matmul reading it:
+        autocast caches the casts of weights, not of activations, so q, k and v each keep
+        their own copy of the norm's output."""
+        return self.activation_bytes != self.residual_bytes
+
 
 FP32 = Precision(activation_bytes=4, residual_bytes=4, weight_copy_bytes=0)
 AUTOCAST_BF16 = Precision(activation_bytes=2, residual_bytes=4, weight_copy_bytes=2)
@@ -212,20 +226,6 @@ class Architecture:
 def _mask_bytes(dropped_bytes: int, *, device: Device) -> int:
     """A dropout mask element: a bool on CUDA, the dropped tensor's dtype on a CPU."""
     return 1 if device == "cuda" else dropped_bytes
-
-
-def _attention_bytes(
-    *, tokens: int, hidden: int, heads: int, kv_hidden: int, e: int, dropout: bool, device: Device
-) -> float:
-    """What SDPA and the output projection keep for q [tokens, hidden] and k, v
-    [tokens, kv_hidden] (tokens = s·b, s the sequence): fused kernels keep q, k, v, the
-    output and an fp32 logsumexp a head and token; a CPU with dropout runs the math kernel
-    (module docstring)."""
-    if dropout and device == "cpu":
-        seq_times_tokens = tokens * tokens // max(tokens, 1)  # placeholder, replaced below
-        del seq_times_tokens
-        raise AssertionError("call _math_attention_bytes")
-    return e * (2 * hidden + 2 * kv_hidden) * tokens + FP32_BYTES * heads * tokens
 
 
 def _sdpa_bytes(
@@ -266,11 +266,19 @@ def gpt_layer_bytes(
     sbh = s * b * h
     norms = 2 * r * sbh + 4 * r * s * b
     attention = _sdpa_bytes(
-        seq=s, micro_batch=b, hidden=h, heads=heads, kv_hidden=h, e=e, dropout=dropout, device=device
+        seq=s,
+        micro_batch=b,
+        hidden=h,
+        heads=heads,
+        kv_hidden=h,
+        e=e,
+        dropout=dropout,
+        device=device,
     )
     masks = 2 * _mask_bytes(e, device=device) * sbh if dropout else 0
     sharded = norms + attention + 8 * e * sbh + masks + 12 * h * h * w
-    return 2 * e * sbh + sharded / t
+    norm_outputs = (4 if precision.casts_norm_outputs else 2) * e * sbh  # q, k, v; c_fc
+    return norm_outputs + sharded / t
 
 
 def llama_layer_bytes(
@@ -292,7 +300,9 @@ def llama_layer_bytes(
     e, r, w = precision.activation_bytes, precision.residual_bytes, precision.weight_copy_bytes
     sbh = s * b * h
     kv_hidden = h * kv_heads // heads
-    whole = 2 * (FP32_BYTES + r + e) * sbh + 2 * FP32_BYTES * s * b + 2 * r * s * h // heads
+    norm_outputs = (5 if precision.casts_norm_outputs else 2) * e * sbh  # q, k, v; gate, up
+    norms = 2 * (FP32_BYTES + r) * sbh + 2 * FP32_BYTES * s * b + norm_outputs
+    whole = norms + 2 * r * s * h // heads  # and the rotary cos, sin
     attention = _sdpa_bytes(
         seq=s,
         micro_batch=b,
@@ -316,13 +326,17 @@ class _StageBytes:
     layer: float
     stored_layer: float
     head: float
+    recompute_keeps_input: bool
+    """Whether the recomputed block saves its input itself (a LayerNorm does), so that
+    the stored input counts once; a Llama's RMSNorm saves an fp32 copy of a bf16 input."""
 
     def peak(self, *, layers: int, in_flight: int, recompute: bool) -> float:
         if not recompute:
             return in_flight * (self.embedding + layers * self.layer + self.head)
         held = in_flight * (self.embedding + layers * self.stored_layer + self.head)
-        # the block recomputed in the backward: its input is already held, the head freed
-        return held + max(0.0, self.layer - self.stored_layer - self.head)
+        # the block the backward recomputes comes back once the head's tensors are freed
+        recomputed = self.layer - self.stored_layer * self.recompute_keeps_input
+        return held + max(0.0, recomputed - self.head)
 
 
 def _stage_bytes(
@@ -357,6 +371,7 @@ def _stage_bytes(
             layer=layer,
             stored_layer=r * sbh / t,
             head=(r * sbh + 2 * r * s * b) / t + e * sbh + head_ends,
+            recompute_keeps_input=True,
         )
     layer = llama_layer_bytes(
         seq=s,
@@ -375,6 +390,7 @@ def _stage_bytes(
         layer=layer,
         stored_layer=r * sbh,
         head=(FP32_BYTES + r + e) * sbh + FP32_BYTES * s * b + head_ends,
+        recompute_keeps_input=r == FP32_BYTES,
     )
 
 
@@ -412,15 +428,8 @@ def rank_activation_bytes(
     )
     if stages == 1:
         return per_stage.peak(layers=layers, in_flight=first_in_flight, recompute=recompute)
-    first = _StageBytes(
-        embedding=per_stage.embedding,
-        layer=per_stage.layer,
-        stored_layer=per_stage.stored_layer,
-        head=0.0,
-    )
-    last = _StageBytes(
-        embedding=0.0, layer=per_stage.layer, stored_layer=per_stage.stored_layer, head=per_stage.head
-    )
+    first = replace(per_stage, head=0.0)
+    last = replace(per_stage, embedding=0.0)
     last_in_flight = 1 if schedule == "1f1b" else micro_batches
     return max(
         first.peak(layers=layers, in_flight=first_in_flight, recompute=recompute),

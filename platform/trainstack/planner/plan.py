@@ -28,7 +28,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from trainstack.planner.activations import ActivationDtype, rank_activation_bytes
+from trainstack.planner.activations import (
+    AUTOCAST_BF16,
+    BF16_WEIGHTS,
+    FP32,
+    ActivationDtype,
+    Architecture,
+    Precision,
+    paper_rank_activation_bytes,
+    rank_activation_bytes,
+)
 from trainstack.planner.comm import (
     FP32_BYTES,
     data_parallel_bytes,
@@ -198,20 +207,52 @@ def estimate(
 def _activations(
     w: Workload, layout: Layout, *, micro_batch: int, m: int, recompute: bool
 ) -> float | None:
-    if w.shape is None:
+    """trainstack's GPT and a Hugging Face Llama by their own expressions (what
+    `SavedActivationMeter` reads on them); other Hugging Face families by the paper's
+    tensor-parallel formula with fused attention."""
+    shape = w.shape
+    if shape is None:
         return None
-    dtype = ActivationDtype(
-        element_bytes=w.element_bytes, mask_bytes=int(w.dropout), attention_scores=False
+    if shape.family not in ("gpt", "llama"):
+        dtype = ActivationDtype(
+            element_bytes=w.element_bytes, mask_bytes=int(w.dropout), attention_scores=False
+        )
+        return paper_rank_activation_bytes(
+            shape,
+            micro_batch=micro_batch,
+            tensor_parallel=layout.tensor_parallel,
+            stages=layout.stages,
+            micro_batches=m,
+            recompute=recompute,
+            dtype=dtype,
+        )
+    arch = Architecture(
+        family="gpt" if shape.family == "gpt" else "llama",
+        vocab=shape.vocab,
+        dropout=w.dropout,
+        kv_heads=shape.kv_heads,
+        ffn_hidden=shape.ffn_hidden,
     )
     return rank_activation_bytes(
-        w.shape,
+        shape,
         micro_batch=micro_batch,
+        arch=arch,
+        precision=_precision(w, layout),
         tensor_parallel=layout.tensor_parallel,
         stages=layout.stages,
         micro_batches=m,
         recompute=recompute,
-        dtype=dtype,
+        loss_parallel=layout.tensor_parallel > 1,
     )
+
+
+def _precision(w: Workload, layout: Layout) -> Precision:
+    """fp32; under bf16, ZeRO's bf16 module and FSDP's mixed-precision policy (when it
+    shards) compute on bf16 weights, the others autocast over fp32 weights."""
+    if w.element_bytes == FP32_BYTES:
+        return FP32
+    sharded_by_fsdp = layout.kind == "fsdp" and layout.data_parallel > 1
+    return BF16_WEIGHTS if layout.kind == "zero" or sharded_by_fsdp else AUTOCAST_BF16
 
 
 def _activation_comm(

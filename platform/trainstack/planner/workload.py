@@ -27,6 +27,14 @@ class TransformerShape:
     """Whether trainstack's tensor-parallel plan also splits the sequence between
     blocks: the GPT's does; a Hugging Face Llama's does not (rotary embeddings need the
     whole sequence)."""
+    family: str = "gpt"
+    """`gpt` (models/gpt.py) or the Hugging Face `model_type` (`llama`, ...)."""
+    vocab: int = 0
+    """V: the logits' width."""
+    kv_heads: int = 0
+    """Key/value heads (0: as many as `heads`)."""
+    ffn_hidden: int = 0
+    """The MLP's inner width (0: 4h)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,7 +120,13 @@ def transformer_shape(cfg: JobConfig) -> TransformerShape | None:
     tokens; None for other models."""
     m = cfg.model
     if m.kind == "gpt":
-        return TransformerShape(layers=m.n_layer, hidden=m.n_embd, heads=m.n_head, seq=m.block_size)
+        return TransformerShape(
+            layers=m.n_layer,
+            hidden=m.n_embd,
+            heads=m.n_head,
+            seq=m.block_size,
+            vocab=cfg.data.vocab_size,
+        )
     if m.kind == "hf":
         from trainstack.models.hf import hf_config
 
@@ -123,6 +137,10 @@ def transformer_shape(cfg: JobConfig) -> TransformerShape | None:
             heads=config.num_attention_heads,
             seq=m.block_size,
             sequence_parallel=False,
+            family=config.model_type,
+            vocab=config.vocab_size,
+            kv_heads=getattr(config, "num_key_value_heads", 0) or 0,
+            ffn_hidden=getattr(config, "intermediate_size", 0) or 0,
         )
     return None
 
