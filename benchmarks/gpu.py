@@ -1,0 +1,224 @@
+"""Figures on one GPU: trainstack against a plain PyTorch loop, same model, same script.
+
+For each GPT size (block 1024, GPT-2's 50,304-token vocabulary, random token files):
+(a) trainstack: `run_job` on an embedded local Ray, one GPU worker, bf16 autocast, SDPA
+    attention, fused AdamW, `train.compile` (each block compiled), under each `--layouts`
+    entry (`ddp`, `zero2`, `zero3`, `fsdp`);
+(b) raw: the loop below, written out by hand: the same GPT, torch.compile, bf16
+    autocast, fused AdamW, batches of the same token file.
+Reported: steady-state tokens/s (after `--warmup` steps), MFU for both from one count
+(6 FLOPs a parameter a token plus attention's 12·L·h·T, the PaLM paper's) against the
+device's peak (`trainstack.metrics.PEAK_FLOPS`), peak memory, and trainstack/raw.
+
+    python benchmarks/gpu.py --sizes 124M 355M 1.3B --layouts ddp zero2 zero3 fsdp
+    python benchmarks/gpu.py --device cpu --sizes tiny --steps 6   # checks the script
+
+On CPU there is no peak to compare with (MFU is None) and bf16 and compile are off:
+only the plumbing is checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from trainstack.config import ModelConfig, config_from_dict
+from trainstack.data.tokens import write_token_file
+from trainstack.metrics import device_peak_flops, mfu
+from trainstack.models.gpt import GPT
+
+
+@dataclass(frozen=True)
+class Size:
+    n_layer: int
+    n_embd: int
+    n_head: int
+    vocab: int = 50_304
+    block: int = 1024
+    micro_batch: int = 8
+
+
+SIZES = {
+    "tiny": Size(n_layer=2, n_embd=64, n_head=2, vocab=256, block=64, micro_batch=4),
+    "124M": Size(n_layer=12, n_embd=768, n_head=12, micro_batch=16),
+    "355M": Size(n_layer=24, n_embd=1024, n_head=16, micro_batch=8),
+    "1.3B": Size(n_layer=24, n_embd=2048, n_head=16, micro_batch=4),
+}
+LAYOUTS = {
+    "ddp": {"kind": "ddp"},
+    "zero2": {"kind": "zero", "stage": 2},
+    "zero3": {"kind": "zero", "stage": 3},
+    "fsdp": {"kind": "fsdp"},
+}
+
+
+def token_file(folder: Path, size: Size, *, steps: int) -> Path:
+    """Random ids: enough windows for every step, and a tenth more held out."""
+    path = folder / f"tokens_{size.vocab}.bin"
+    count = (steps + 2) * size.micro_batch * (size.block + 1) * 12 // 10 + 1
+    rng = np.random.default_rng(0)
+    write_token_file(path, rng.integers(0, size.vocab, count, dtype=np.int64))
+    return path
+
+
+def model_config(size: Size) -> dict[str, Any]:
+    return {
+        "kind": "gpt",
+        "n_layer": size.n_layer,
+        "n_embd": size.n_embd,
+        "n_head": size.n_head,
+        "block_size": size.block,
+    }
+
+
+def through_trainstack(
+    size: Size, layout: str, *, tokens: Path, steps: int, warmup: int, gpu: bool, out: Path
+) -> dict[str, Any]:
+    from trainstack.runtime.launcher import run_job
+
+    raw = {
+        "name": f"gpu-{layout}",
+        "model": model_config(size),
+        "data": {
+            "kind": "tokens",
+            "train": [str(tokens)],
+            "vocab_size": size.vocab,
+            "val_fraction": 0.1,
+            "eval_samples": size.micro_batch,
+        },
+        "train": {
+            "steps": steps,
+            "global_batch_size": size.micro_batch,
+            "micro_batch_size": size.micro_batch,
+            "precision": "bf16" if gpu else "fp32",
+            "compile": gpu,
+        },
+        "optim": {"lr": 3e-4, "warmup_steps": 1, "weight_decay": 0.1},
+        "strategy": LAYOUTS[layout],
+        "scaling": {"num_workers": 1, "use_gpu": gpu},
+        "checkpoint": {"storage_path": str(out), "every_steps": steps},
+        "log": {"every_steps": max(1, steps // 5), "progress": "quiet"},
+    }
+    summary = run_job(config_from_dict(raw))
+    device = torch.device("cuda" if gpu else "cpu")
+    return {
+        "tokens_per_s": summary["tokens_per_s"],
+        "mfu": model_flops_utilisation(size, summary["params"], summary["tokens_per_s"], device),
+        "peak_mem_bytes": summary.get("peak_mem_bytes"),
+        "final_loss": summary["final_loss"],
+    }
+
+
+def raw_loop(size: Size, *, tokens: Path, steps: int, warmup: int, gpu: bool) -> dict[str, Any]:
+    """The same GPT trained by hand: compile, bf16 autocast, fused AdamW (on a GPU)."""
+    device = torch.device("cuda" if gpu else "cpu")
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        kind="gpt",
+        n_layer=size.n_layer,
+        n_embd=size.n_embd,
+        n_head=size.n_head,
+        block_size=size.block,
+    )
+    model: Any = GPT(cfg, vocab_size=size.vocab).to(device)
+    params = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=gpu)
+    if gpu:
+        model = torch.compile(model)
+    ids = np.memmap(tokens, dtype=np.uint16, mode="r", offset=1024)
+    window = size.micro_batch * (size.block + 1)
+    times = []
+    for step in range(steps):
+        chunk = torch.from_numpy(np.array(ids[step * window : (step + 1) * window], np.int64))
+        chunk = chunk.view(size.micro_batch, size.block + 1)
+        x, y = chunk[:, :-1].to(device, non_blocking=True), chunk[:, 1:].to(device)
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=gpu):
+            logits = model(x)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if gpu:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    steady = times[warmup:] or times
+    tokens_per_s = size.micro_batch * size.block / (sum(steady) / len(steady))
+    return {
+        "tokens_per_s": tokens_per_s,
+        "mfu": model_flops_utilisation(size, params, tokens_per_s, device),
+        "peak_mem_bytes": torch.cuda.max_memory_allocated() if gpu else None,
+        "final_loss": float(loss),
+        "params": params,
+    }
+
+
+def model_flops_utilisation(
+    size: Size, params: int, tokens_per_s: float, device: torch.device
+) -> float | None:
+    """6 FLOPs a parameter a token plus attention's 12·L·h·T, over the device's peak."""
+    flops_per_token = 6 * params + 12 * size.n_layer * size.n_embd * size.block
+    return mfu(
+        flops_per_token=flops_per_token,
+        tokens_per_s=tokens_per_s,
+        peak_flops=device_peak_flops(device),
+        world_size=1,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", default=["124M", "355M", "1.3B"], choices=SIZES)
+    parser.add_argument("--layouts", nargs="+", default=["ddp"], choices=LAYOUTS)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = parser.parse_args()
+    gpu = args.device == "cuda"
+    if gpu and not torch.cuda.is_available():
+        raise SystemExit("benchmarks/gpu.py: no CUDA device; use --device cpu to check it")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="trainstack-gpu-") as tmp:
+        for name in args.sizes:
+            size = SIZES[name]
+            tokens = token_file(Path(tmp), size, steps=args.steps)
+            raw = raw_loop(size, tokens=tokens, steps=args.steps, warmup=args.warmup, gpu=gpu)
+            rows.append({"size": name, "run": "raw", **raw})
+            for layout in args.layouts:
+                ours = through_trainstack(
+                    size,
+                    layout,
+                    tokens=tokens,
+                    steps=args.steps,
+                    warmup=args.warmup,
+                    gpu=gpu,
+                    out=Path(tmp) / f"{name}-{layout}",
+                )
+                ratio = ours["tokens_per_s"] / raw["tokens_per_s"]
+                rows.append({"size": name, "run": f"trainstack {layout}", **ours, "vs_raw": ratio})
+    print(f"{'size':>5}  {'run':<18} {'tokens/s':>12} {'MFU':>6} {'peak mem':>10} {'vs raw':>7}")
+    for row in rows:
+        share = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
+        memory = f"{row['peak_mem_bytes'] / 2**30:.1f} GiB" if row["peak_mem_bytes"] else "-"
+        ratio = f"{row['vs_raw']:.3f}" if "vs_raw" in row else ""
+        print(
+            f"{row['size']:>5}  {row['run']:<18} {row['tokens_per_s']:>12,.0f} {share:>6} "
+            f"{memory:>10} {ratio:>7}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
