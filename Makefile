@@ -11,7 +11,7 @@ STAMP := $(VENV)/.trainstack-installed
 # pip's notes about unreadable local index folders are noise here.
 QUIET_PIP := { grep -v '^WARNING: Location' || true; }
 
-.PHONY: venv demo demo-stdlib test lint clean
+.PHONY: venv demo demo-stdlib test lint clean browser
 
 venv: $(STAMP)
 
@@ -42,9 +42,19 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check $(LINTED)
 	$(VENV)/bin/mypy platform/trainstack
 
+# Headless Chromium and its driver from Debian's packages, for the dashboard browser test
+# (about 10 s as root; elsewhere, or without the packages, that test skips and says why).
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  { test "$$(id -u)" = 0 && command -v apt-get >/dev/null && \
+	    { apt-get install -y -q --no-install-recommends chromium chromium-driver >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null 2>&1 && \
+	        apt-get install -y -q --no-install-recommends chromium chromium-driver >/dev/null 2>&1; }; }; } || \
+	  echo "make: no chromium/chromedriver here: the dashboard browser test will skip"
+
 # mypy (about 45 s from a cold cache) checks types beside the unit tests, which need no
 # Ray and little CPU; then the rest of the suite runs alone.
-test: $(STAMP)
+test: $(STAMP) browser
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
 	mkdir -p .cache; $(VENV)/bin/mypy platform/trainstack > .cache/mypy.log 2>&1 & typing=$$!; \

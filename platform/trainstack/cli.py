@@ -4,6 +4,7 @@ trainstack run jobs/configs/demo.yaml --set train.steps=50 --summary-json out.js
 trainstack prepare jobs/configs/stdlib_gpt.yaml
 trainstack sweep tune/demo_sweep.yaml [--resume]
 trainstack plan jobs/configs/demo.yaml --devices 8 --device-memory 80GB
+trainstack submit jobs/configs/demo.yaml --address http://127.0.0.1:8265
 trainstack report runs/demo
 """
 
@@ -269,8 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.set_defaults(handler=prepare_command)
     from trainstack.planner.command import add_plan_parser
     from trainstack.report import add_report_parser
+    from trainstack.runtime.submit import add_submit_parser
 
     add_plan_parser(commands)
+    add_submit_parser(commands)
     add_report_parser(commands)
     return parser
 

@@ -1,11 +1,14 @@
-"""`ray job submit` of jobs/train.py and tune/sweep.py against a `ray start --head`
-cluster on 127.0.0.1 (one cluster for the module)."""
+"""`trainstack submit` and `ray job submit` of jobs/train.py and tune/sweep.py against a
+`ray start --head` cluster on 127.0.0.1 with token authentication (one cluster for the
+module)."""
 
 import csv
 import json
 import math
+import re
 import secrets
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -53,43 +56,44 @@ def head_node(auth: dict[str, str]) -> Iterator[str]:
         assert stopped.returncode == 0, stopped.stderr[-2000:]
 
 
-def test_job_submit_trains_demo_on_head_node(
+def test_trainstack_submit_trains_demo_on_head_node_under_its_name(
     head_node: str, auth: dict[str, str], tmp_path: Path
 ) -> None:
+    """`trainstack submit` runs what `ray job submit ... python jobs/train.py` runs, as a
+    job the dashboard lists by the spec's name and strategy."""
     summary_path = tmp_path / "summary.json"
     proc = run(
         [
-            str(BIN / "ray"),
-            "job",
-            "submit",
-            "--address",
-            head_node,
-            "--working-dir",
-            ".",
-            "--",
-            "python",
-            "jobs/train.py",
-            "--config",
-            "jobs/configs/demo.yaml",
-            "--set",
-            "train.steps=30",
-            "--set",
-            f"checkpoint.storage_path={tmp_path / 'runs'}",
-            "--summary-json",
-            str(summary_path),
-            "--progress",
-            "lines",
+            *(str(BIN / "trainstack"), "submit", "jobs/configs/demo.yaml"),
+            *("--address", head_node, "--set", "train.steps=30"),
+            *("--set", f"checkpoint.storage_path={tmp_path / 'runs'}"),
+            *("--summary-json", str(summary_path)),
         ],
         timeout=420,
         **auth,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "succeeded" in proc.stdout
+    job = re.search(r"submitted (trainstack-demo-ddp-[0-9a-f]{8}) to ", proc.stdout)
+    assert job is not None, proc.stdout[-2000:]
+    assert f"trainstack: job {job[1]} succeeded" in proc.stdout
     assert "step 30/30" in proc.stdout
     # The job's log says where to watch it and how to get past the token login.
     dashboard = head_node.removesuffix("/")
     assert f"trainstack: Ray dashboard: {dashboard} (it asks for the cluster's token" in proc.stdout
     assert "`ray get-auth-token`" in proc.stdout
+    read = run(
+        [
+            str(BIN / "python"),
+            "-c",
+            "import json, sys; from ray.job_submission import JobSubmissionClient as C; "
+            "print(json.dumps(C(sys.argv[1]).get_job_info(sys.argv[2]).metadata))",
+            *(head_node, job[1]),
+        ],
+        timeout=60,
+        **auth,
+    )
+    metadata = json.loads(read.stdout.strip().splitlines()[-1])
+    assert metadata["trainstack.name"] == "demo" and metadata["trainstack.strategy"] == "ddp"
     summary = json.loads(summary_path.read_text())
     assert summary["steps"] == 30 and summary["world_size"] == 2
     # Thirty steps only start down from uniform guessing (ln 32 = 3.466; the untrained
@@ -187,3 +191,85 @@ def test_job_submit_ships_a_users_own_model_package_with_working_dir(
     assert summary["task"] == "classify" and summary["world_size"] == 2
     # Chance is 10% on 10 classes; 60 steps of the CNN get well past it.
     assert summary["eval_accuracy"] > 0.6
+
+
+def test_the_dashboard_shows_the_job_by_name_its_progress_and_its_actors(
+    head_node: str, auth: dict[str, str], tmp_path: Path
+) -> None:
+    """What a user sees in a browser: headless Chromium gets past Ray's token dialog with
+    the cluster's token, finds a parameter-server job on the Jobs page under its name,
+    reads trainstack's progress lines on its page, and finds the run's shards and worker
+    by name on the Actors page. Screenshots go to .cache/screenshots/."""
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium (make test installs it)")
+    browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (browser and driver):
+        pytest.skip("no chromium/chromedriver (Debian's chromium, chromium-driver; make browser)")
+    steps = 300
+    proc = run(
+        [
+            *(str(BIN / "trainstack"), "submit", "jobs/configs/ps.yaml", "--address", head_node),
+            *("--set", f"train.steps={steps}", "--set", "scaling.num_workers=1"),
+            *("--set", f"checkpoint.storage_path={tmp_path / 'runs'}", "--no-wait"),
+        ],
+        timeout=120,
+        **auth,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    found = re.search(r"submitted (trainstack-ps-demo-ps-[0-9a-f]{8}) to ", proc.stdout)
+    assert found is not None, proc.stdout[-2000:]
+    job = found[1]
+    shots = ROOT / ".cache" / "screenshots"
+    shots.mkdir(parents=True, exist_ok=True)
+    options = webdriver.ChromeOptions()
+    options.binary_location = browser
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(flag)
+    options.add_argument("--window-size=1400,1000")
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    page = webdriver.Chrome(service=Service(driver), options=options)
+    try:
+
+        def shows(*texts: str, timeout: float = 90, reload_every: float = 0) -> None:
+            def seen(_: object) -> bool:
+                if reload_every and time.monotonic() - shown[0] > reload_every:
+                    page.refresh()
+                    shown[0] = time.monotonic()
+                # what the page shows (the log viewer renders spaces as no-break ones)
+                shown_text = page.execute_script("return document.body.innerText")
+                return all(text in shown_text.replace("\xa0", " ") for text in texts)
+
+            shown = [time.monotonic()]
+            WebDriverWait(page, timeout, poll_frequency=1).until(seen)
+
+        page.get(head_node)
+        token_box = "input[placeholder='Enter your authentication token']"
+        WebDriverWait(page, 60).until(lambda p: p.find_elements(By.CSS_SELECTOR, token_box))
+        page.save_screenshot(str(shots / "dashboard_token.png"))
+        page.find_element(By.CSS_SELECTOR, token_box).send_keys(auth["RAY_AUTH_TOKEN"])
+        page.find_element(By.XPATH, "//button[normalize-space()='Submit']").click()
+
+        page.get(f"{head_node}/#/jobs")
+        shows(job)
+        name_cell = "//td[normalize-space()='ps-demo']"  # the spec's name, in the Name column
+        WebDriverWait(page, 30).until(lambda p: p.find_elements(By.XPATH, name_cell))
+        page.save_screenshot(str(shots / "dashboard_jobs.png"))
+
+        page.get(f"{head_node}/#/jobs/{job}")
+        shows(f"step {steps}/{steps}", "trainstack: Ray dashboard:", timeout=180, reload_every=10)
+        page.execute_script("window.scrollBy(0, 640)")  # the driver's log, below the summary
+        page.save_screenshot(str(shots / "dashboard_job_log.png"))
+
+        page.get(f"{head_node}/#/actors")
+        shows("trainstack-ps-ps-demo-", "-shard-0", "-worker-0", "ParameterServerShard")
+        page.save_screenshot(str(shots / "dashboard_actors.png"))
+    finally:
+        page.quit()
+    ended = run(
+        [str(BIN / "ray"), "job", "logs", "--address", head_node, "--follow", job],
+        timeout=300,
+        **auth,
+    )
+    assert f"step {steps}/{steps}" in ended.stdout, ended.stdout[-2000:]
