@@ -11,7 +11,7 @@ STAMP := $(VENV)/.trainstack-installed
 # pip's notes about unreadable local index folders are noise here.
 QUIET_PIP := { grep -v '^WARNING: Location' || true; }
 
-.PHONY: venv demo demo-stdlib test lint clean browser
+.PHONY: venv demo demo-stdlib test lint clean browser grafana
 
 venv: $(STAMP)
 
@@ -35,7 +35,7 @@ demo-stdlib: $(STAMP)
 		--set checkpoint.storage_path=.cache/demo_runs --summary-json .cache/stdlib_summary.json
 
 # ruff skips folders named dist unless they are named: tests/dist is.
-LINTED := platform jobs tune tests tests/dist benchmarks examples
+LINTED := platform jobs tune tests tests/dist benchmarks examples dashboards
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINTED)
@@ -62,6 +62,10 @@ test: $(STAMP) browser
 	  typed=0; wait $$typing || typed=$$?; cat .cache/mypy.log; \
 	  test $$unit -eq 0 && test $$typed -eq 0
 	$(PY) -m pytest tests --ignore=tests/unit
+
+# trainstack's Grafana dashboard into the newest Ray session's provisioning (ray start first).
+grafana: $(STAMP)
+	$(PY) dashboards/provision.py
 
 clean:
 	rm -rf $(VENV) .cache

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import mlflow
 import pytest
+import yaml
 
 from trainstack.runtime.local import free_port
 
@@ -204,7 +205,7 @@ def test_the_dashboard_shows_the_job_by_name_its_progress_and_its_actors(
     browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
     if not (browser and driver):
         pytest.skip("no chromium/chromedriver (Debian's chromium, chromium-driver; make browser)")
-    steps = 300
+    steps = 120
     proc = run(
         [
             *(str(BIN / "trainstack"), "submit", "jobs/configs/ps.yaml", "--address", head_node),
@@ -251,7 +252,15 @@ def test_the_dashboard_shows_the_job_by_name_its_progress_and_its_actors(
         page.find_element(By.CSS_SELECTOR, token_box).send_keys(auth["RAY_AUTH_TOKEN"])
         page.find_element(By.XPATH, "//button[normalize-space()='Submit']").click()
 
+        def filter_by(label: str, text: str) -> None:
+            """Type into one of a table's filters (the tables show 10 rows a page)."""
+            box = f"//label[normalize-space()='{label}']"
+            WebDriverWait(page, 30).until(lambda p: p.find_elements(By.XPATH, box))
+            for_id = page.find_element(By.XPATH, box).get_attribute("for")
+            page.find_element(By.ID, for_id).send_keys(text)
+
         page.get(f"{head_node}/#/jobs")
+        filter_by("Submission ID", job)
         shows(job)
         name_cell = "//td[normalize-space()='ps-demo']"  # the spec's name, in the Name column
         WebDriverWait(page, 30).until(lambda p: p.find_elements(By.XPATH, name_cell))
@@ -263,6 +272,7 @@ def test_the_dashboard_shows_the_job_by_name_its_progress_and_its_actors(
         page.save_screenshot(str(shots / "dashboard_job_log.png"))
 
         page.get(f"{head_node}/#/actors")
+        filter_by("Name", "trainstack-ps-ps-demo-")
         shows("trainstack-ps-ps-demo-", "-shard-0", "-worker-0", "ParameterServerShard")
         page.save_screenshot(str(shots / "dashboard_actors.png"))
     finally:
@@ -273,3 +283,24 @@ def test_the_dashboard_shows_the_job_by_name_its_progress_and_its_actors(
         **auth,
     )
     assert f"step {steps}/{steps}" in ended.stdout, ended.stdout[-2000:]
+
+
+def test_grafana_provisioning_of_the_head_nodes_session_loads_trainstacks_dashboard(
+    head_node: str,
+) -> None:
+    """`make grafana` (dashboards/provision.py) puts the dashboard in the folder the Ray
+    session's Grafana provider reads. Grafana itself cannot be downloaded here: the
+    provider file Ray wrote is read as Grafana would read it."""
+    session = Path("/tmp/ray/session_latest").resolve()
+    provision = [str(BIN / "python"), "dashboards/provision.py", "--session-dir"]
+    proc = run([*provision, str(session)], timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    provider_file = session / "metrics/grafana/provisioning/dashboards/default.yml"
+    provider = yaml.safe_load(provider_file.read_text())["providers"][0]
+    assert provider["type"] == "file"
+    copied = Path(provider["options"]["path"]) / "grafana_trainstack.json"
+    assert copied.is_relative_to(session)
+    shipped = json.loads((ROOT / "dashboards/grafana_trainstack.json").read_text())
+    assert json.loads(copied.read_text()) == shipped
+    nowhere = run([*provision, "/nonexistent"], timeout=60)
+    assert nowhere.returncode == 2 and len(nowhere.stderr.strip().splitlines()) == 1
