@@ -46,7 +46,8 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, config_flag: bool) -> 
     )
 
 
-def _add_set_and_address(parser: argparse.ArgumentParser, *, what: str) -> None:
+def add_overrides(parser: argparse.ArgumentParser, *, what: str) -> None:
+    """`--set KEY=VALUE` (repeatable), collected in `args.overrides`."""
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -55,6 +56,10 @@ def _add_set_and_address(parser: argparse.ArgumentParser, *, what: str) -> None:
         metavar="KEY=VALUE",
         help=f"override {what} (repeatable)",
     )
+
+
+def _add_set_and_address(parser: argparse.ArgumentParser, *, what: str) -> None:
+    add_overrides(parser, what=what)
     parser.add_argument(
         "--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS, else local)"
     )
@@ -259,14 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prepare", help="tokenize a text job's files once into token files (data.kind text)"
     )
     prepare.add_argument("config", help="job spec (YAML)")
-    prepare.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a spec key, e.g. --set data.tokenizer=tokenizer.json (repeatable)",
-    )
+    add_overrides(prepare, what="a spec key, e.g. --set data.tokenizer=tokenizer.json")
     prepare.set_defaults(handler=prepare_command)
     from trainstack.planner.command import add_plan_parser
     from trainstack.report import add_report_parser

@@ -27,25 +27,28 @@ PEAK_FLOPS = 989e12
 
 
 def default_hardware(cfg: JobConfig, *, devices: int) -> Hardware:
-    """`devices` ranks with the memory each worker of this job gets: the spec's
-    `scaling.device_memory`, else on this machine."""
+    """`devices` ranks with the memory each worker of this job gets (`device_memory`)."""
+    return Hardware(
+        devices=devices,
+        memory_bytes=device_memory(cfg, devices=devices),
+        bandwidth=BANDWIDTH,
+        peak_flops=PEAK_FLOPS,
+    )
+
+
+def device_memory(cfg: JobConfig, *, devices: int) -> int:
+    """One device's memory: the spec's `scaling.device_memory`, else this machine's GPU's
+    (with `scaling.use_gpu`), else this machine's memory divided among the devices."""
     import torch
 
     if cfg.scaling.device_memory:
-        memory = int(
-            parse_quantity(
-                "scaling.device_memory", cfg.scaling.device_memory, units=True, example="80GB"
-            )
-        )
-    elif cfg.scaling.use_gpu and torch.cuda.is_available():
-        memory = int(torch.cuda.get_device_properties(0).total_memory)
-    else:
-        from trainstack.runtime.capacity import local_memory_bytes
+        stated = cfg.scaling.device_memory
+        return int(parse_quantity("scaling.device_memory", stated, units=True, example="80GB"))
+    if cfg.scaling.use_gpu and torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    from trainstack.runtime.capacity import local_memory_bytes
 
-        memory = local_memory_bytes() // devices
-    return Hardware(
-        devices=devices, memory_bytes=memory, bandwidth=BANDWIDTH, peak_flops=PEAK_FLOPS
-    )
+    return local_memory_bytes() // devices
 
 
 def resolve_auto(cfg: JobConfig) -> tuple[JobConfig, str]:

@@ -4,9 +4,10 @@ time on N devices, and the one to run.
     trainstack plan jobs/configs/demo.yaml
     trainstack plan jobs/configs/demo.yaml --devices 8 --device-memory 80GB --json
 
-Defaults: the spec's `scaling.num_workers` devices; each with the memory of this
-machine's GPU, or without CUDA this machine's memory divided among them; 100 GB/s a
-rank; 989 TFLOP/s peak (an H100's dense bf16).
+Defaults: the spec's `scaling.num_workers` devices, each with the spec's
+`scaling.device_memory`, else this machine's GPU's (with `scaling.use_gpu`), else this
+machine's memory divided among them; 100 GB/s a rank; 989 TFLOP/s peak (an H100's dense
+bf16).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import json
 import sys
 from typing import Any
 
-from trainstack.config import ConfigError, load_config
+from trainstack.config import ConfigError, JobConfig, load_config
 from trainstack.config_fields import parse_quantity
 from trainstack.planner.plan import Estimate, Hardware, Plan, make_plan
 from trainstack.planner.workload import spec_accepts, workload_from_spec
@@ -26,18 +27,13 @@ def add_plan_parser(
     commands: argparse._SubParsersAction[argparse.ArgumentParser],
 ) -> argparse.ArgumentParser:
     """Add `trainstack plan` to the CLI's subcommands."""
+    from trainstack.cli import add_overrides
+
     parser = commands.add_parser(
         "plan", help="compare layouts' memory, bytes and modelled step time; pick one"
     )
     parser.add_argument("config", help="job spec (YAML)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a spec key, e.g. --set model.n_layer=32 (repeatable)",
-    )
+    add_overrides(parser, what="a spec key, e.g. --set model.n_layer=32")
     parser.add_argument("--devices", help="ranks, one device each (default: scaling.num_workers)")
     parser.add_argument(
         "--device-memory",
@@ -58,9 +54,7 @@ def plan_command(args: argparse.Namespace) -> int:
         devices = _positive_int("--devices", args.devices or str(cfg.scaling.num_workers))
         hardware = Hardware(
             devices=devices,
-            memory_bytes=_device_memory(
-                args.device_memory, devices=devices, spec_memory=cfg.scaling.device_memory
-            ),
+            memory_bytes=_device_memory(args.device_memory, cfg=cfg, devices=devices),
             bandwidth=parse_quantity(
                 "--bandwidth", args.bandwidth, units=True, example="100GB/s", suffix="/s"
             ),
@@ -98,20 +92,13 @@ def _no_layout(devices: int, *, global_batch: int) -> str:
     )
 
 
-def _device_memory(text: str | None, *, devices: int, spec_memory: str) -> int:
-    """--device-memory, else the spec's `scaling.device_memory`, else this machine's
-    GPU's, else its memory / devices."""
+def _device_memory(text: str | None, *, cfg: JobConfig, devices: int) -> int:
+    """--device-memory, else what a run of the spec would plan with."""
     if text is not None:
         return int(parse_quantity("--device-memory", text, units=True, example="80GB"))
-    if spec_memory:
-        return int(parse_quantity("scaling.device_memory", spec_memory, units=True, example="80GB"))
-    import torch
+    from trainstack.planner.choose import device_memory
 
-    if torch.cuda.is_available():
-        return int(torch.cuda.get_device_properties(0).total_memory)
-    from trainstack.runtime.capacity import local_memory_bytes
-
-    return local_memory_bytes() // devices
+    return device_memory(cfg, devices=devices)
 
 
 # ---- printing ----------------------------------------------------------------------

@@ -30,18 +30,13 @@ DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 
 
 def add_submit_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from trainstack.cli import add_overrides
+
     parser = commands.add_parser(
         "submit", help="run a job spec on a Ray cluster through its Job API, named after it"
     )
     parser.add_argument("config", help="job spec (YAML), a path inside --working-dir")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a spec key (repeatable)",
-    )
+    add_overrides(parser, what="a spec key")
     parser.add_argument(
         "--address",
         default=None,
