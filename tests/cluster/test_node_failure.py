@@ -1,10 +1,10 @@
-"""Whole nodes lost mid-run on a simulated multi-node cluster (DDP, ZeRO-2): the worker
-group restarts on a replacement node from the newest checkpoint that verifies, loses at
+"""Whole nodes lost mid-run on a simulated multi-node cluster (ZeRO-2): the worker group
+restarts on a replacement node from the newest checkpoint that verifies, loses at
 most `checkpoint.every_steps` steps, and ends bitwise equal to an uninterrupted run; no
 placement group or actor of the run outlives it, and ZeRO's checkpoint exports whole
-weights. Restarting a group is the launcher's, whatever the strategy: each strategy's
-own recovery is tested with killed workers (tests/ray, tests/dist), and
-`benchmarks/chaos.py` loses nodes under a pipeline too."""
+weights. Restarting a group is the launcher's, whatever the strategy (the elastic test
+loses nodes under DDP): each strategy's own recovery is tested with killed workers
+(tests/ray, tests/dist), and `benchmarks/chaos.py` loses nodes under every strategy."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from trainstack.runtime.launcher import run_job
 from trainstack.runtime.local import run_processes
 
 STRATEGIES: dict[str, dict[str, Any]] = {
-    "ddp": {"kind": "ddp"},
     "zero2": {"kind": "zero", "stage": 2},
 }
 
