@@ -65,7 +65,8 @@ def restore_optimizer_by_name(
     if sharded.has_sharded(checkpoint, SHARDED_FOLDER):
         states, missing = sharded.optimizer_state_by_parameter(checkpoint, SHARDED_FOLDER, params)
     else:
-        whole, why_not = _whole_state(checkpoint, order=order)
+        shapes = {name: tuple(param.shape) for param, names in params for name in names}
+        whole, why_not = _whole_state(checkpoint, order=order, shapes=shapes)
         if why_not:
             return [f"optimizer state re-initialised ({why_not})"]
         states, missing = _placed(whole, params)
@@ -75,34 +76,40 @@ def restore_optimizer_by_name(
 
 
 def _whole_state(
-    checkpoint: Checkpoint, *, order: list[str]
+    checkpoint: Checkpoint, *, order: list[str], shapes: dict[str, tuple[int, ...]]
 ) -> tuple[dict[str, dict[str, Any]], str | None]:
-    """Whole optimizer state by parameter name from DDP's or ZeRO 1/2's files, or why the
-    checkpoint has none to give."""
+    """Whole optimizer state by parameter name from DDP's or ZeRO 1/2's files (`shapes`:
+    each name's whole shape, for ZeRO's flat fragments), or why the checkpoint has none
+    to give."""
     source = checkpoint.manifest.get("strategy")
     if source == "ddp" and checkpoint.has("optimizer.pt"):
         saved = checkpoint.load("optimizer.pt")["state"]
         return {order[index]: state for index, state in saved.items()}, None
     stage = checkpoint.manifest["spec"]["strategy"].get("stage")
     if source == "zero" and stage in (1, 2):
-        first = rank_file("optimizer", 0)
-        if checkpoint.has(first) and ZERO_FRAGMENTS in checkpoint.load(first):
-            return zero_state_by_name(checkpoint), None
-        return {}, "the ZeRO checkpoint does not say where each parameter's state lies"
+        whole = zero_state_by_name(checkpoint, shapes=shapes)
+        if whole is None:
+            return {}, "the ZeRO checkpoint does not say where each parameter's state lies"
+        return whole, None
     if source == "zero":
         return {}, "ZeRO-3's optimizer partitions are not converted"
     return {}, f"the checkpoint is from {source}"
 
 
-def zero_state_by_name(checkpoint: Checkpoint) -> dict[str, dict[str, Any]]:
+def zero_state_by_name(
+    checkpoint: Checkpoint, *, shapes: dict[str, tuple[int, ...]]
+) -> dict[str, dict[str, Any]] | None:
     """ZeRO 1/2's optimizer state made whole: each parameter's fragments taken from every
-    rank's flat partitions in rank order, shaped like the checkpoint's weights."""
-    shapes = {name: tensor.shape for name, tensor in checkpoint.full_weights().items()}
+    rank's flat partitions in rank order, given its whole shape from `shapes`. None when
+    a rank's file does not record where the fragments lie."""
     ranks = checkpoint.manifest["world"]["world_size"]
     pieces: dict[str, dict[str, list[torch.Tensor]]] = {}
     steps: dict[str, Any] = {}
     for rank in range(ranks):
-        shard = checkpoint.load(rank_file("optimizer", rank))
+        file = rank_file("optimizer", rank)
+        shard = checkpoint.load(file) if checkpoint.has(file) else {}
+        if ZERO_FRAGMENTS not in shard:
+            return None
         groups = _group_states(shard["base_optimizer_state"])
         for group, fragments in zip(groups, shard[ZERO_FRAGMENTS], strict=True):
             for name, (start, numel) in fragments.items():
