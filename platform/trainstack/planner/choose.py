@@ -11,14 +11,12 @@ so the launcher checks the layout only for local runs; `auto` plans with
 
 from __future__ import annotations
 
-from typing import Any
-
-from trainstack.config import ConfigError, JobConfig, config_from_dict, config_to_dict, set_key
+from trainstack.config import ConfigError, JobConfig
 from trainstack.config_fields import parse_quantity
 from trainstack.planner.command import format_bytes, format_seconds, format_value
 from trainstack.planner.layouts import Layout
 from trainstack.planner.plan import Estimate, Hardware, Plan, estimate, make_plan
-from trainstack.planner.workload import Workload, workload_from_spec
+from trainstack.planner.workload import Workload, with_layout, workload_from_spec
 
 BANDWIDTH = 100e9
 """Bytes a second a rank sends, as `trainstack plan` assumes by default."""
@@ -57,11 +55,15 @@ def resolve_auto(cfg: JobConfig) -> tuple[JobConfig, str]:
     checkpointing), and one line saying which and why. ConfigError when nothing fits."""
     workload = workload_from_spec(cfg)
     hardware = default_hardware(cfg, devices=cfg.scaling.num_workers)
-    plan = make_plan(workload, hardware, runnable=lambda keys: _runs(cfg, keys) is not None)
+    plan = make_plan(
+        workload,
+        hardware,
+        runnable=lambda keys: with_layout(cfg, keys, keep_compression=True) is not None,
+    )
     best = plan.recommended
     if best is None:
         raise ConfigError(f"strategy.kind=auto: {_nothing_fits(plan)}")
-    chosen = _runs(cfg, best.spec_keys())
+    chosen = with_layout(cfg, best.spec_keys(), keep_compression=True)
     assert chosen is not None, "make_plan keeps only runnable settings"
     fitting = sum(row.fits for row in plan.rows)
     keys = ", ".join(f"{k}={format_value(v)}" for k, v in best.spec_keys().items())
@@ -90,7 +92,11 @@ def check_layout_fits(cfg: JobConfig) -> None:
     mine = _estimate_of(cfg, workload, layout, hardware)
     if mine is None or mine.fits:
         return
-    plan = make_plan(workload, hardware, runnable=lambda keys: _runs(cfg, keys) is not None)
+    plan = make_plan(
+        workload,
+        hardware,
+        runnable=lambda keys: with_layout(cfg, keys, keep_compression=True) is not None,
+    )
     best = plan.recommended
     instead = "; nothing the plan knows fits either: use a smaller model or more devices"
     if best is not None:
@@ -160,18 +166,6 @@ def _estimate_of(
         micro_batch=micro,
         recompute=cfg.model.activation_checkpointing,
     )
-
-
-def _runs(cfg: JobConfig, keys: dict[str, Any]) -> JobConfig | None:
-    """The spec with its strategy replaced by `keys` (`--set` form), or None when the
-    spec refuses that (its compression, data or model cannot go with the layout)."""
-    raw = config_to_dict(cfg) | {"strategy": {}}
-    for key, value in keys.items():
-        raw = set_key(raw, key, value, what="strategy.kind=auto")
-    try:
-        return config_from_dict(raw)
-    except ConfigError:
-        return None
 
 
 def _nothing_fits(plan: Plan) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 from trainstack.config import ConfigError, JobConfig, load_config
 from trainstack.config_fields import parse_quantity
 from trainstack.planner.plan import Estimate, Hardware, Plan, make_plan
-from trainstack.planner.workload import spec_accepts, workload_from_spec
+from trainstack.planner.workload import with_layout, workload_from_spec
 
 
 def add_plan_parser(
@@ -63,7 +63,9 @@ def plan_command(args: argparse.Namespace) -> int:
             ),
         )
         plan = make_plan(
-            workload_from_spec(cfg), hardware, runnable=lambda keys: spec_accepts(cfg, keys)
+            workload_from_spec(cfg),
+            hardware,
+            runnable=lambda keys: with_layout(cfg, keys, keep_compression=False) is not None,
         )
         if not plan.rows:
             raise ConfigError(_no_layout(devices, global_batch=cfg.train.global_batch_size))

@@ -145,14 +145,18 @@ def transformer_shape(cfg: JobConfig) -> TransformerShape | None:
     return None
 
 
-def spec_accepts(cfg: JobConfig, keys: dict[str, Any]) -> bool:
-    """Whether the spec validates with its strategy (and compression, which the plan does
-    not model) replaced by `keys` (`--set` form): a layout trainstack can run."""
-    raw = config_to_dict(cfg) | {"strategy": {}, "compression": {}}
+def with_layout(
+    cfg: JobConfig, keys: dict[str, Any], *, keep_compression: bool
+) -> JobConfig | None:
+    """The spec with its strategy replaced by `keys` (`--set` form), its compression kept
+    or dropped (the plan does not model it), or None when the spec refuses that layout
+    (its compression, data or model cannot go with it)."""
+    raw = config_to_dict(cfg) | {"strategy": {}}
+    if not keep_compression:
+        raw["compression"] = {}
     for key, value in keys.items():
-        raw = set_key(raw, key, value, what="trainstack plan")
+        raw = set_key(raw, key, value, what="the plan")
     try:
-        config_from_dict(raw)
+        return config_from_dict(raw)
     except ConfigError:
-        return False
-    return True
+        return None
