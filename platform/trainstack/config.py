@@ -298,6 +298,21 @@ class CompressionConfig:
     """Add each rank's residual g - C(g) to its next gradient (randk then sends unscaled values)."""
     min_numel: int = 1024
     """Tensors with fewer elements than this go dense (fp32 all-reduce), >= 0."""
+    warmup_steps: int = 0
+    """Compression warm-up (>= 0, < train.steps; lossy kinds under DDP): topk/randk
+    ramp their ratio exponentially from 1 (dense) to `ratio` over this many steps; the
+    other lossy kinds send fp32 until it ends. Warm-up bytes count in the run's ratio."""
+    momentum_correction: bool = True
+    """DDP, lossy kinds: keep the optimizer's moments on each rank and compress the
+    update they give (AdamW's m/(sqrt(v)+eps), SGD's momentum: Deep Gradient
+    Compression's momentum correction) instead of the raw gradient; the optimizer then
+    applies the averaged update with lr and weight decay alone, and each rank clips its
+    own gradient to optim.grad_clip first. On the demo job it brings top-k 1% from 11.7%
+    to 3.1% above dense DDP's loss (README, "Gradient compression"); false compresses
+    the raw gradient. Parameter-server pushes always send gradients."""
+    local_clip: bool = False
+    """Clip each rank's gradient to optim.grad_clip before compression (per tensor, to
+    its share sqrt(n_i / n) of the bound); always on with momentum_correction."""
 
 
 @dataclass(kw_only=True)

@@ -697,6 +697,30 @@ def _validate_compression(cfg: JobConfig) -> None:
         raise ConfigError(
             f"compression.kind={c.kind} needs strategy.kind=ddp or ps; got {cfg.strategy.kind}"
         )
+    steps = cfg.train.steps
+    _require(
+        "compression.warmup_steps",
+        0 <= c.warmup_steps < steps,
+        c.warmup_steps,
+        f"0 to train.steps - 1 = {steps - 1}",
+    )
+    # momentum_correction is on by default, so it is not refused where it does not apply
+    for key, on in (("local_clip", c.local_clip), ("warmup_steps", c.warmup_steps > 0)):
+        if on and c.kind in ("none", "fp16", "bf16"):
+            raise ConfigError(
+                f"compression.{key} applies to lossy compression (topk, randk, qsgd, sign, "
+                f"powersgd); compression.kind is {c.kind}"
+            )
+        if on and cfg.strategy.kind != "ddp":
+            raise ConfigError(
+                f"compression.{key} is a DDP hook's; strategy.kind={cfg.strategy.kind} "
+                "compresses parameter-server pushes without it (allowed: strategy.kind=ddp)"
+            )
+    if c.local_clip and not cfg.optim.grad_clip:
+        raise ConfigError(
+            "compression.local_clip clips each rank's gradient to optim.grad_clip, which is 0 "
+            "(off); set optim.grad_clip > 0 or local_clip: false"
+        )
 
 
 def _validate_scaling(s: ScalingConfig) -> None:

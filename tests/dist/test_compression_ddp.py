@@ -25,7 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainstack.compression import ErrorFeedback, build_compressor, register_compression
 from trainstack.compression.lowrank import initial_q, low_rank_shape, orthonormal
-from trainstack.config import CompressionConfig, ModelConfig
+from trainstack.compression.sparsify import sparse_k
+from trainstack.config import CompressionConfig, ModelConfig, OptimConfig
 from trainstack.models import build_model
 from trainstack.runtime.local import free_port
 
@@ -41,12 +42,24 @@ SAVE_AFTER = 3
 SEED = 11
 VOCAB = 16
 MODEL = ModelConfig(kind="gpt", n_layer=2, n_head=2, n_embd=32, block_size=16)
-CONFIGS = {
-    kind: CompressionConfig(kind=kind, ratio=0.05, bits=4, rank=2, min_numel=256)
+CONFIGS = {  # the raw gradient compressed; "-moments": AdamW's update (the default)
+    kind: CompressionConfig(
+        kind=kind, ratio=0.05, bits=4, rank=2, min_numel=256, momentum_correction=False
+    )
     for kind in ["none", "fp16", "bf16", "topk", "randk", "qsgd", "sign", "powersgd"]
 }
 CONFIGS["randk-unbiased"] = dataclasses.replace(CONFIGS["randk"], error_feedback=False)
 CONFIGS["powersgd-no-ef"] = dataclasses.replace(CONFIGS["powersgd"], error_feedback=False)
+# Deep Gradient Compression's parts: AdamW's moments on each rank (with the local clip
+# they imply), a sparsity warm-up across every step, a powersgd warm-up sending fp32 for
+# 2 steps, local clipping alone.
+CONFIGS["topk-moments"] = dataclasses.replace(CONFIGS["topk"], momentum_correction=True)
+CONFIGS["powersgd-moments"] = dataclasses.replace(CONFIGS["powersgd"], momentum_correction=True)
+CONFIGS["topk-warmup"] = dataclasses.replace(CONFIGS["topk"], warmup_steps=STEPS)
+CONFIGS["powersgd-warmup"] = dataclasses.replace(CONFIGS["powersgd"], warmup_steps=2)
+CONFIGS["qsgd-local-clip"] = dataclasses.replace(CONFIGS["qsgd"], local_clip=True)
+OPTIM = OptimConfig(kind="adamw", betas=(0.9, 0.95), grad_clip=0.05)
+"""The optimizer the moments and clip come from (0.05 clips these gradients)."""
 LOSSY = ["topk", "randk", "qsgd", "sign", "powersgd"]
 CASTS = {"fp16": 2.0**-11, "bf16": 2.0**-8}  # unit roundoff
 
@@ -80,19 +93,49 @@ class Expected:
         self.codecs = [build_compressor(cfg, seed=SEED, rank=r) for r in range(WORLD) if codec_kind]
         self.feedback = [ErrorFeedback(enabled=cfg.error_feedback) for _ in range(WORLD)]
         self.q: dict[int, torch.Tensor] = {}
+        self.moments: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def local_update(self, r: int, i: int, g: torch.Tensor, step: int, total: int) -> torch.Tensor:
+        """Rank r's tensor to send for parameter i: clipped, then AdamW's m̂/(sqrt(v̂)+eps)."""
+        if not (self.cfg.local_clip or self.cfg.momentum_correction):
+            return g
+        # The same float operations as the hook's, in the same order: top-k at step 0
+        # picks among near-ties (|m̂/sqrt(v̂)| is about 1 everywhere).
+        limit = OPTIM.grad_clip * math.sqrt(g.numel() / total)
+        g = g * torch.clamp(limit / (g.norm() + 1e-6), max=1.0)
+        if not self.cfg.momentum_correction:
+            return g
+        b1, b2 = OPTIM.betas
+        m, v = self.moments.get((r, i), (torch.zeros_like(g), torch.zeros_like(g)))
+        m = m.mul(b1).add(g, alpha=1 - b1)
+        v = v.mul(b2).addcmul(g, g, value=1 - b2)
+        self.moments[r, i] = (m, v)
+        t = step + 1
+        return (m / (1 - b1**t)).div((v / (1 - b2**t)).sqrt().add(1e-8))
 
     def mean(self, local: list[list[torch.Tensor]], step: int) -> list[torch.Tensor]:
         """local[r][i]: rank r's gradient of parameter i."""
+        total = sum(g.numel() for g in local[0])
+        local = [
+            [self.local_update(r, i, g, step, total) for i, g in enumerate(grads)]
+            for r, grads in enumerate(local)
+        ]
+        warming = step < self.cfg.warmup_steps
+        ratio = self.cfg.ratio ** (step / self.cfg.warmup_steps) if warming else self.cfg.ratio
         out = []
         for i, per_rank in enumerate(zip(*local, strict=True)):
-            if self.cfg.kind == "none" or per_rank[0].numel() < self.cfg.min_numel:
+            dense = self.cfg.kind == "none" or per_rank[0].numel() < self.cfg.min_numel
+            if dense or (warming and self.cfg.kind != "topk"):
                 out.append(torch.stack(per_rank).mean(0))
             elif self.cfg.kind == "powersgd":
                 out.append(self.power_sgd(i, list(per_rank)))
             else:
+                codecs = [
+                    dataclasses.replace(c, ratio=ratio) if warming else c for c in self.codecs
+                ]
                 decoded = [
-                    self.codecs[r].decode(
-                        self.feedback[r].encode(self.codecs[r], g, step=step, bucket_index=i),
+                    codecs[r].decode(
+                        self.feedback[r].encode(codecs[r], g, step=step, bucket_index=i),
                         step=step,
                         bucket_index=i,
                     )
@@ -138,7 +181,7 @@ def train(
     if start is not None:
         model.load_state_dict(start["model"])
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.01)
-    state = register_compression(ddp, cfg, world_size=WORLD, seed=SEED)
+    state = register_compression(ddp, cfg, world_size=WORLD, seed=SEED, optim=OPTIM)
     if start is not None and start["compression"] is not None:
         state.load_state_dict(torch.load(io.BytesIO(start["compression"]), weights_only=True))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -195,15 +238,20 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
-def expected_bytes(name: str) -> tuple[int, int]:
-    """This rank's bytes per step from the formulas, parameter by parameter: (all, gathered)."""
+def expected_bytes(name: str, step: int = STEPS) -> tuple[int, int]:
+    """This rank's bytes at `step` from the formulas, parameter by parameter: (all, gathered)."""
     cfg, reduced, gathered = CONFIGS[name], 0, 0
-    kind = cfg.kind
+    kind, warming = cfg.kind, step < cfg.warmup_steps
+    ratio = cfg.ratio ** (step / cfg.warmup_steps) if warming else cfg.ratio
     for p in build_model(MODEL, vocab_size=VOCAB, seed=0).parameters():
         n = p.numel()
         dims = low_rank_shape(p.shape, cfg.rank)
-        k = max(1, math.ceil(cfg.ratio * n))
-        if kind == "none" or n < cfg.min_numel or (kind == "powersgd" and dims is None):
+        k = sparse_k(n, ratio)
+        if (
+            kind == "none"
+            or n < cfg.min_numel
+            or (kind == "powersgd" and (dims is None or warming))
+        ):
             reduced += 4 * n
         elif kind == "powersgd":
             assert dims is not None
@@ -255,8 +303,8 @@ def test_bytes_sent_per_step_match_the_formula(results: list[dict[str, Any]], na
     kind = CONFIGS[name].kind
     dense = 4 * sum(p.numel() for p in build_model(MODEL, vocab_size=VOCAB, seed=0).parameters())
     for rank_results in results:
-        for sent, gathered, dense_bytes in rank_results[name]["stats"]:
-            assert (sent, gathered, dense_bytes) == (*expected_bytes(name), dense)
+        for step, stats in enumerate(rank_results[name]["stats"]):
+            assert stats == (*expected_bytes(name, step), dense)
     sent = expected_bytes(name)[0]
     if kind != "none":
         assert sent < dense

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -27,6 +28,8 @@ from trainstack.compression import (
     sparse_k,
     unpack_bits,
 )
+from trainstack.compression.local import LocalGradient
+from trainstack.compression.sparsify import warmup_ratio
 from trainstack.config import CompressionConfig
 
 TRIALS = 10_000
@@ -291,3 +294,52 @@ def test_one_worker_needs_no_hook_and_reports_nothing_sent() -> None:
     )
     with pytest.raises(ValueError, match="compression state is for kind=topk; this run uses sign"):
         other.load_state_dict(saved)
+
+
+# ---- Deep Gradient Compression's parts: warm-up, local clipping, moments on ranks ----
+
+
+def test_sparsity_warmup_falls_exponentially_from_dense_to_the_ratio() -> None:
+    ratios = [warmup_ratio(0.01, step=t, warmup_steps=4) for t in range(6)]
+    assert ratios[0] == 1.0
+    assert ratios[2] == pytest.approx(0.1)  # halfway in log space
+    assert ratios[4:] == [0.01, 0.01]
+    assert all(a > b for a, b in itertools.pairwise(ratios[:5]))
+
+
+def test_local_clip_bounds_the_rank_gradient_by_each_tensor_share() -> None:
+    local = LocalGradient(moments="none", clip=1.0, total_numel=400)
+    big, small = torch.full((300,), 5.0), torch.full((100,), 1e-3)
+    clipped = [local.prepare(big, 0, step=0), local.prepare(small, 1, step=0)]
+    assert float(clipped[0].norm()) == pytest.approx(math.sqrt(300 / 400), rel=1e-5)
+    assert torch.equal(clipped[1], small)  # under its share: untouched
+    whole = torch.cat(clipped).norm()
+    assert float(whole) <= 1.0
+
+
+def test_adamw_moments_on_a_rank_give_torch_adamw_update() -> None:
+    """Lossless, the update a rank sends is AdamW's step direction (lr 1, no decay)."""
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(50, generator=gen) * (1 + t) for t in range(6)]
+    weight = nn.Parameter(torch.zeros(50))
+    adamw = torch.optim.AdamW([weight], lr=1.0, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    local = LocalGradient(moments="adamw", momentum=0.9, beta2=0.95, eps=1e-8)
+    for step, g in enumerate(grads):
+        before = weight.detach().clone()
+        weight.grad = g.clone()
+        adamw.step()
+        sent = local.prepare(g, 0, step=step)
+        torch.testing.assert_close(sent, before - weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_sgd_momentum_correction_masks_what_was_sent() -> None:
+    local = LocalGradient(moments="sgd", momentum=0.5)
+    g = torch.tensor([1.0, 2.0, 3.0])
+    assert torch.equal(local.prepare(g, 0, step=0), g)
+    local.mask(0, torch.tensor([False, False, True]))
+    # u = 0.5 * [1, 2, 0] + g
+    assert torch.equal(local.prepare(g, 0, step=1), torch.tensor([1.5, 3.0, 3.0]))
+    saved = local.state_dict()
+    again = LocalGradient(moments="sgd", momentum=0.5)
+    again.load_state_dict(saved)
+    assert torch.equal(again.prepare(g, 0, step=2), local.prepare(g, 0, step=2))

@@ -136,6 +136,13 @@ class CommStats:
     gathered_bytes: int = 0
     """The part of `bytes_sent` that went to all-gathers (the rest to all-reduces)."""
 
+    def __add__(self, other: CommStats) -> CommStats:
+        return CommStats(
+            bytes_sent=self.bytes_sent + other.bytes_sent,
+            dense_bytes=self.dense_bytes + other.dense_bytes,
+            gathered_bytes=self.gathered_bytes + other.gathered_bytes,
+        )
+
     @property
     def ratio(self) -> float:
         """Compression ratio dense / sent (1.0 when nothing was sent)."""

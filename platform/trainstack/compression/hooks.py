@@ -9,15 +9,20 @@ regroups them after it, and per-parameter state (residuals, warm starts, random
 streams) is the same however DDP groups them, on a fresh start and after a restart.
 Tensors smaller than `min_numel` go dense: one fp32 all-reduce per DDP bucket.
 
-Collectives run synchronously inside the hook (simple and correct on gloo and NCCL;
-the price is less overlap with the backward pass than DDP's own asynchronous
-all-reduce). Every byte handed to a collective is counted: the whole tensor of an
-all-reduce, this rank's contribution to an all-gather.
+Hooks encode on the calling thread (error feedback and momentum state change there, in
+bucket order) and launch their collectives asynchronously; decoding the received
+parts into the bucket is a callback on the collective's future. So, as with DDP's
+own all-reduce, communication and decoding overlap the rest of the backward pass.
+Every byte handed to a collective is counted: the whole tensor of an all-reduce, this
+rank's contribution to an all-gather.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations are the
 # real `dist.GradBucket` and `Future[Tensor]` objects, not strings.
 
+import dataclasses
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +31,32 @@ import torch.distributed as dist
 from torch import nn
 
 from trainstack.compression.base import CommStats, Compressor, ErrorFeedback, Payload
+from trainstack.compression.local import LocalGradient
+from trainstack.compression.sparsify import RandK, TopK, warmup_ratio
+
+Done = torch.futures.Future[None]
+"""Completes when a hook's units hold the mean over ranks."""
+
+
+def done() -> Done:
+    """A `Done` that has completed."""
+    future: Done = torch.futures.Future()
+    future.set_result(None)
+    return future
+
+
+def when_all(futures: list[torch.futures.Future[Any]], then: Callable[[], None]) -> Done:
+    """Run `then` once every future has completed (at once if there are none)."""
+    if not futures:
+        then()
+        return done()
+
+    def finish(all_done: torch.futures.Future[Any]) -> None:
+        for future in all_done.value():
+            future.value()  # re-raise a failed collective
+        then()
+
+    return torch.futures.collect_all(futures).then(finish)
 
 
 @dataclass(frozen=True)
@@ -46,16 +77,30 @@ class BucketHook:
     """
 
     def __init__(
-        self, model: nn.Module, *, process_group: dist.ProcessGroup, min_numel: int
+        self,
+        model: nn.Module,
+        *,
+        process_group: dist.ProcessGroup,
+        min_numel: int,
+        warmup_steps: int = 0,
+        local: LocalGradient | None = None,
     ) -> None:
         self.param_index = {id(p): i for i, p in enumerate(model.parameters())}
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.min_numel = min_numel
+        self.warmup_steps = warmup_steps
+        """Compression warm-up: steps over which compression ramps in (0: none)."""
+        self.local = local or LocalGradient(moments="none")
+        """Local clipping and momentum correction, applied to every gradient first."""
         self.step = 0
         """Optimizer steps (synced backward passes) completed; seeds depend on it."""
         self.stats = CommStats()
         """Bytes of the last completed step."""
+        self.total = CommStats()
+        """Bytes of every step so far (warm-up included), over restarts."""
+        self.codec_seconds = 0.0
+        """Seconds spent encoding, launching and decoding since start (both threads)."""
         self._sent = self._gathered = self._dense = 0
 
     def communicate(
@@ -63,26 +108,48 @@ class BucketHook:
     ) -> torch.futures.Future[torch.Tensor]:
         del state
         buffer = bucket.buffer()
-        self.reduce(self._units(bucket))
+        start = time.perf_counter()
+        reduced = self.reduce(self._units(bucket))
+        self.codec_seconds += time.perf_counter() - start
         self._dense += buffer.numel() * buffer.element_size()
         if bucket.is_last():
             self.stats = CommStats(
                 bytes_sent=self._sent, dense_bytes=self._dense, gathered_bytes=self._gathered
             )
+            self.total = self.total + self.stats
             self._sent = self._gathered = self._dense = 0
             self.step += 1
-        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        future.set_result(buffer)
-        return future
+        return reduced.then(lambda _: buffer)
 
-    def reduce(self, units: list[GradUnit]) -> None:
+    def reduce(self, units: list[GradUnit]) -> Done:
+        """Launch what leaves each unit holding the mean over ranks."""
         raise NotImplementedError
 
+    def after(self, futures: list[torch.futures.Future[Any]], then: Callable[[], None]) -> Done:
+        """Run `then` (decoding: timed as codec work) once every future has completed."""
+
+        def timed() -> None:
+            start = time.perf_counter()
+            then()
+            self.codec_seconds += time.perf_counter() - start
+
+        return when_all(futures, timed)
+
+    @property
+    def warming_up(self) -> bool:
+        return self.step < self.warmup_steps
+
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step}
+        return {
+            "step": self.step,
+            "local": self.local.state_dict(),
+            "total": dataclasses.asdict(self.total),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
+        self.local.load_state_dict(state.get("local", {}))
+        self.total = CommStats(**state.get("total", {}))
 
     def _units(self, bucket: dist.GradBucket) -> list[GradUnit]:
         buffer = bucket.buffer()
@@ -96,25 +163,48 @@ class BucketHook:
 
     # ---- collectives (counted) ----
 
-    def all_reduce_mean(self, grads: list[torch.Tensor]) -> None:
-        """Average `grads` in place over ranks: one fp32 all-reduce of them all."""
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.world_size)
-        self.all_reduce(flat)
-        for grad, mean in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-            grad.copy_(mean.view_as(grad))
+    def all_reduce_mean(self, units: list[GradUnit], sent: list[torch.Tensor]) -> Done:
+        """Leave in each unit the mean over ranks of its `sent` tensor: one fp32
+        all-reduce of them all."""
+        if not units:
+            return done()
+        flat = torch.cat([t.reshape(-1).to(torch.float32) for t in sent]).div_(self.world_size)
 
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        dist.all_reduce(tensor, group=self.process_group)
+        def write() -> None:
+            for unit, mean in zip(units, flat.split([t.numel() for t in sent]), strict=True):
+                unit.grad.copy_(mean.view_as(unit.grad))
+
+        return self.after([self.all_reduce(flat)], write)
+
+    def split_dense(
+        self, units: list[GradUnit], dense: Callable[[GradUnit], bool]
+    ) -> tuple[Done, list[GradUnit], list[torch.Tensor]]:
+        """Apply the local transform to every unit and all-reduce those `dense` picks;
+        return that reduction, the other units and what each of them is to send."""
+        prepared = [self.local.prepare(u.grad, u.index, step=self.step) for u in units]
+        picked = [dense(u) for u in units]
+        reduced = self.all_reduce_mean(
+            [u for u, d in zip(units, picked, strict=True) if d],
+            [t for t, d in zip(prepared, picked, strict=True) if d],
+        )
+        rest = [(u, t) for u, t, d in zip(units, prepared, picked, strict=True) if not d]
+        return reduced, [u for u, _ in rest], [t for _, t in rest]
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future[Any]:
+        """Launch a sum of `tensor` over ranks, in place."""
+        work = dist.all_reduce(tensor, group=self.process_group, async_op=True)
         self._sent += tensor.numel() * tensor.element_size()
+        return work.get_future()
 
-    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+    def all_gather(
+        self, tensor: torch.Tensor
+    ) -> tuple[list[torch.Tensor], torch.futures.Future[Any]]:
+        """Launch a gather of every rank's `tensor` into the returned list."""
         gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(gathered, tensor, group=self.process_group)
+        work = dist.all_gather(gathered, tensor, group=self.process_group, async_op=True)
         self._sent += tensor.numel() * tensor.element_size()
         self._gathered += tensor.numel() * tensor.element_size()
-        return gathered
+        return gathered, work.get_future()
 
 
 class CodecHook(BucketHook):
@@ -134,62 +224,65 @@ class CodecHook(BucketHook):
         compressor: Compressor,
         error_feedback: bool,
         min_numel: int,
+        warmup_steps: int = 0,
+        local: LocalGradient | None = None,
     ) -> None:
-        super().__init__(model, process_group=process_group, min_numel=min_numel)
+        super().__init__(
+            model,
+            process_group=process_group,
+            min_numel=min_numel,
+            warmup_steps=warmup_steps,
+            local=local,
+        )
         self.compressor = compressor
+        """The codec at its configured ratio (warm-up lowers a sparsifier's per step)."""
+        self.sparse = isinstance(compressor, TopK | RandK)
         self.feedback = ErrorFeedback(enabled=error_feedback)
 
-    def reduce(self, units: list[GradUnit]) -> None:
-        self.all_reduce_mean([u.grad for u in units if u.grad.numel() < self.min_numel])
-        units = [u for u in units if u.grad.numel() >= self.min_numel]
+    def reduce(self, units: list[GradUnit]) -> Done:
+        compressor = self._current_compressor()
+        dense_now = self.warming_up and not self.sparse
+        dense, units, sent = self.split_dense(
+            units, lambda u: dense_now or u.grad.numel() < self.min_numel
+        )
         if not units:
-            return
-        payloads = [
-            self.feedback.encode(self.compressor, u.grad, step=self.step, bucket_index=u.index)
-            for u in units
+            return dense
+        payloads = [self._encode(compressor, u, x) for u, x in zip(units, sent, strict=True)]
+        codec = Codec(compressor, self.step, self.world_size)
+        slots = range(len(payloads[0].parts))
+        if compressor.aggregation == "sum":
+            flats = [codec.flat_slot([p.parts[j] for p in payloads]) for j in slots]
+            launched = [self.all_reduce(flat) for flat in flats]
+            return self.after([dense, *launched], lambda: codec.write_sums(units, payloads, flats))
+        gathers = [
+            self.all_gather(torch.cat([p.parts[j].reshape(-1) for p in payloads])) for j in slots
         ]
-        if self.compressor.aggregation == "sum":
-            means = self._sum_and_decode(units, payloads)
-        else:
-            means = self._gather_and_decode(units, payloads)
-        for unit, mean in zip(units, means, strict=True):
-            unit.grad.copy_(mean)
+        received = [gathered for gathered, _ in gathers]
+        return self.after(
+            [dense, *(future for _, future in gathers)],
+            lambda: codec.write_gathered(units, payloads, received),
+        )
 
-    def _sum_and_decode(self, units: list[GradUnit], payloads: list[Payload]) -> list[torch.Tensor]:
-        summed = [self._reduce_slot([p.parts[j] for p in payloads]) for j in _slots(payloads)]
-        return [
-            self.compressor.decode(
-                Payload(payload.shape, tuple(slot[i] for slot in summed)),
-                step=self.step,
-                bucket_index=unit.index,
-            )
-            for i, (unit, payload) in enumerate(zip(units, payloads, strict=True))
-        ]
+    def _current_compressor(self) -> Compressor:
+        """Sparsifiers under warm-up keep a ratio ramping from 1 to theirs."""
+        base = self.compressor
+        if not self.warming_up or not isinstance(base, TopK | RandK):
+            return base
+        ratio = warmup_ratio(base.ratio, step=self.step, warmup_steps=self.warmup_steps)
+        return dataclasses.replace(base, ratio=ratio)
 
-    def _reduce_slot(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-        flat = torch.cat([part.reshape(-1) for part in parts]).div_(self.world_size)
-        self.all_reduce(flat)
-        return _split_like(flat, parts)
-
-    def _gather_and_decode(
-        self, units: list[GradUnit], payloads: list[Payload]
-    ) -> list[torch.Tensor]:
-        # gathered[j][r][i]: part j of unit i as rank r sent it
-        gathered = [self._gather_slot([p.parts[j] for p in payloads]) for j in _slots(payloads)]
-        means = []
-        for i, (unit, payload) in enumerate(zip(units, payloads, strict=True)):
-            total = torch.zeros(payload.shape, dtype=torch.float32, device=unit.grad.device)
-            for rank in range(self.world_size):
-                parts = tuple(slot[rank][i] for slot in gathered)
-                total += self.compressor.decode(
-                    Payload(payload.shape, parts), step=self.step, bucket_index=unit.index
-                )
-            means.append(total.div_(self.world_size))
-        return means
-
-    def _gather_slot(self, parts: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-        flat = torch.cat([part.reshape(-1) for part in parts])
-        return [_split_like(theirs, parts) for theirs in self.all_gather(flat)]
+    def _encode(self, compressor: Compressor, unit: GradUnit, sent: torch.Tensor) -> Payload:
+        """Compress sent + residual; keep the new residual; mask momentum where sent."""
+        corrected = self.feedback.corrected(sent, unit.index)
+        step, index = self.step, unit.index
+        payload = compressor.encode(corrected, step=step, bucket_index=index)
+        masking = self.sparse and self.local.moments == "sgd"
+        if self.feedback.enabled or masking:
+            decoded = compressor.decode(payload, step=step, bucket_index=index)
+            self.feedback.update(index, corrected, decoded)
+            if masking:
+                self.local.mask(index, decoded != 0)
+        return payload
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -204,8 +297,51 @@ class CodecHook(BucketHook):
         self.compressor.load_state_dict(state["compressor"])
 
 
-def _slots(payloads: list[Payload]) -> range:
-    return range(len(payloads[0].parts))
+@dataclass(frozen=True)
+class Codec:
+    """Decoding one step's received parts into the units (runs in a future's callback,
+    so it holds the compressor and step of the launch, not the hook's current ones)."""
+
+    compressor: Compressor
+    step: int
+    world_size: int
+
+    def flat_slot(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """One payload slot of every unit, concatenated and divided by the world size."""
+        return torch.cat([part.reshape(-1) for part in parts]).div_(self.world_size)
+
+    def write_sums(
+        self, units: list[GradUnit], payloads: list[Payload], flats: list[torch.Tensor]
+    ) -> None:
+        """`sum` compressors: decode each unit's summed parts (the mean, decoding being
+        linear in them)."""
+        summed = [_split_like(flat, [p.parts[j] for p in payloads]) for j, flat in enumerate(flats)]
+        for i, (unit, payload) in enumerate(zip(units, payloads, strict=True)):
+            parts = tuple(slot[i] for slot in summed)
+            unit.grad.copy_(self._decode(unit, Payload(payload.shape, parts)))
+
+    def write_gathered(
+        self,
+        units: list[GradUnit],
+        payloads: list[Payload],
+        received: list[list[torch.Tensor]],
+    ) -> None:
+        """`gather` compressors: decode every rank's payload of each unit and average.
+        received[j][r]: slot j of all units as rank r sent it."""
+        # split[j][r][i]: part j of unit i as rank r sent it
+        split = [
+            [_split_like(theirs, [p.parts[j] for p in payloads]) for theirs in slot]
+            for j, slot in enumerate(received)
+        ]
+        for i, (unit, payload) in enumerate(zip(units, payloads, strict=True)):
+            total = torch.zeros(payload.shape, dtype=torch.float32, device=unit.grad.device)
+            for rank in range(self.world_size):
+                parts = tuple(slot[rank][i] for slot in split)
+                total += self._decode(unit, Payload(payload.shape, parts))
+            unit.grad.copy_(total.div_(self.world_size))
+
+    def _decode(self, unit: GradUnit, payload: Payload) -> torch.Tensor:
+        return self.compressor.decode(payload, step=self.step, bucket_index=unit.index)
 
 
 def _split_like(flat: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Tensor]:

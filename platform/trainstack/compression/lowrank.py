@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 from trainstack.compression.base import Aggregation, ErrorFeedback, Payload, seeded_generator
-from trainstack.compression.hooks import BucketHook, GradUnit
+from trainstack.compression.hooks import BucketHook, Done, GradUnit
+from trainstack.compression.local import LocalGradient
 
 
 def low_rank_shape(shape: torch.Size, rank: int) -> tuple[int, int, int] | None:
@@ -111,8 +112,16 @@ class PowerSGDHook(BucketHook):
         seed: int,
         error_feedback: bool,
         min_numel: int,
+        warmup_steps: int = 0,
+        local: LocalGradient | None = None,
     ) -> None:
-        super().__init__(model, process_group=process_group, min_numel=min_numel)
+        super().__init__(
+            model,
+            process_group=process_group,
+            min_numel=min_numel,
+            warmup_steps=warmup_steps,
+            local=local,
+        )
         self.approx_rank = approx_rank
         self.seed = seed
         self.feedback = ErrorFeedback(enabled=error_feedback)
@@ -122,28 +131,37 @@ class PowerSGDHook(BucketHook):
     def _dims(self, shape: torch.Size) -> tuple[int, int, int] | None:
         return low_rank_shape(shape, self.approx_rank) if shape.numel() >= self.min_numel else None
 
-    def reduce(self, units: list[GradUnit]) -> None:
-        dense: list[torch.Tensor] = []
-        low: list[tuple[GradUnit, tuple[int, int, int]]] = []
-        for unit in units:
-            dims = self._dims(unit.grad.shape)
-            if dims is None:
-                dense.append(unit.grad)
-            else:
-                low.append((unit, dims))
-        self.all_reduce_mean(dense)
-        if not low:
-            return
-        matrices = [self.feedback.corrected(u.grad, u.index).view(n, m) for u, (n, m, _) in low]
-        qs = [self._warm_q(u.index, m, r, device=u.grad.device) for u, (_, m, r) in low]
-        ps = self._mean([matrix @ q for matrix, q in zip(matrices, qs, strict=True)])
+    def reduce(self, units: list[GradUnit]) -> Done:
+        """P's all-reduce must finish before Q can be computed, so only Q's overlaps the
+        rest of the backward pass."""
+        dense, units, sent = self.split_dense(
+            units, lambda u: self.warming_up or self._dims(u.grad.shape) is None
+        )
+        if not units:
+            return dense
+        # every unit left has dims: the rest went dense
+        dims = [d for d in (self._dims(u.grad.shape) for u in units) if d is not None]
+        matrices = [
+            self.feedback.corrected(x, u.index).view(n, m)
+            for u, x, (n, m, _) in zip(units, sent, dims, strict=True)
+        ]
+        qs = [
+            self._warm_q(u.index, m, r, device=u.grad.device)
+            for u, (_, m, r) in zip(units, dims, strict=True)
+        ]
+        ps, reduced = self._mean([matrix @ q for matrix, q in zip(matrices, qs, strict=True)])
+        reduced.wait()
         ps = [orthonormal(p) for p in ps]
-        qs = self._mean([matrix.T @ p for matrix, p in zip(matrices, ps, strict=True)])
-        for (unit, _), matrix, p, q in zip(low, matrices, ps, qs, strict=True):
-            approx = p @ q.T
-            self.feedback.update(unit.index, matrix, approx)
-            self.warm_start[unit.index] = q
-            unit.grad.copy_(approx.view_as(unit.grad))
+        qs, reduced = self._mean([matrix.T @ p for matrix, p in zip(matrices, ps, strict=True)])
+
+        def write() -> None:
+            for unit, matrix, p, q in zip(units, matrices, ps, qs, strict=True):
+                approx = p @ q.T
+                self.feedback.update(unit.index, matrix, approx)
+                self.warm_start[unit.index] = q
+                unit.grad.copy_(approx.view_as(unit.grad))
+
+        return self.after([dense, reduced], write)
 
     def _warm_q(self, index: int, m: int, r: int, *, device: torch.device) -> torch.Tensor:
         q = self.warm_start.get(index)
@@ -151,11 +169,14 @@ class PowerSGDHook(BucketHook):
             return initial_q(m, r, seed=self.seed, bucket_index=index, device=device)
         return q.to(device)
 
-    def _mean(self, factors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _mean(
+        self, factors: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], torch.futures.Future[Any]]:
+        """Launch the mean over ranks of `factors`: views of it, and its future."""
         flat = torch.cat([f.reshape(-1) for f in factors]).div_(self.world_size)
-        self.all_reduce(flat)
+        launched = self.all_reduce(flat)
         pieces = flat.split([f.numel() for f in factors])
-        return [piece.view_as(f) for piece, f in zip(pieces, factors, strict=True)]
+        return [piece.view_as(f) for piece, f in zip(pieces, factors, strict=True)], launched
 
     def state_dict(self) -> dict[str, Any]:
         return {

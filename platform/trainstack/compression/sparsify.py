@@ -29,6 +29,14 @@ def sparse_k(numel: int, ratio: float) -> int:
     return min(numel, max(1, math.ceil(Fraction(repr(ratio)) * numel)))
 
 
+def warmup_ratio(ratio: float, *, step: int, warmup_steps: int) -> float:
+    """Deep Gradient Compression's sparsity warm-up: the ratio falls exponentially from
+    1 at step 0 to `ratio` at `warmup_steps` (ratio ** (step / warmup_steps))."""
+    if step >= warmup_steps:
+        return ratio
+    return float(ratio ** (step / warmup_steps))
+
+
 @dataclass
 class TopK(StatelessCompressor):
     ratio: float

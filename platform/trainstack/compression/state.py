@@ -8,6 +8,7 @@ state differs per rank, so every rank saves its own.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -17,10 +18,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainstack.compression.base import CommStats, Compressor
 from trainstack.compression.hooks import BucketHook, CodecHook
+from trainstack.compression.local import LocalGradient
 from trainstack.compression.lowrank import LowRank, PowerSGDHook
 from trainstack.compression.quantize import QSGD, Cast, Sign
 from trainstack.compression.sparsify import RandK, TopK
-from trainstack.config import CompressionConfig
+from trainstack.config import CompressionConfig, JobConfig, OptimConfig
 
 
 def build_compressor(cfg: CompressionConfig, *, seed: int, rank: int) -> Compressor:
@@ -57,6 +59,11 @@ class CompressionState:
         return self.hook.stats if self.hook is not None else self._fixed_stats
 
     @property
+    def total(self) -> CommStats:
+        """Bytes of every step so far, warm-up included (0 without a hook)."""
+        return self.hook.total if self.hook is not None else CommStats()
+
+    @property
     def step(self) -> int:
         """Optimizer steps compressed so far (0 without a hook)."""
         return self.hook.step if self.hook is not None else 0
@@ -74,8 +81,53 @@ class CompressionState:
             self.hook.load_state_dict(state["hook"])
 
 
+def local_gradient(
+    cfg: CompressionConfig, optim: OptimConfig, *, model: nn.Module
+) -> LocalGradient:
+    """The per-rank transform `cfg` asks for: the optimizer's moments under momentum
+    correction, clipping each rank's gradient to optim.grad_clip under it or
+    `local_clip` (the average of gradients so bounded is bounded the same)."""
+    clip = optim.grad_clip if cfg.local_clip or moments_apply(cfg) else 0.0
+    total = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if not moments_apply(cfg):
+        return LocalGradient(moments="none", clip=clip, total_numel=total)
+    if optim.kind == "adamw":
+        return LocalGradient(
+            moments="adamw",
+            momentum=optim.betas[0],
+            beta2=optim.betas[1],
+            clip=clip,
+            total_numel=total,
+        )
+    return LocalGradient(moments="sgd", momentum=optim.momentum, clip=clip, total_numel=total)
+
+
+def moments_on_ranks(cfg: JobConfig, *, world_size: int) -> bool:
+    """Whether each rank applies the optimizer's moments before compressing."""
+    return cfg.strategy.kind == "ddp" and world_size > 1 and moments_apply(cfg.compression)
+
+
+def moments_apply(cfg: CompressionConfig) -> bool:
+    """Momentum correction is asked for and the kind is lossy (casts send gradients)."""
+    return cfg.momentum_correction and cfg.kind not in ("none", "fp16", "bf16")
+
+
+def optimizer_config(cfg: JobConfig, *, world_size: int) -> OptimConfig:
+    """The optimizer's settings under `cfg.compression`: with the moments on the ranks,
+    plain SGD that applies the averaged update with the learning rate and weight decay
+    (decoupled, as AdamW's: SGD adds wd * w to an update that is not a gradient)."""
+    if not moments_on_ranks(cfg, world_size=world_size):
+        return cfg.optim
+    return dataclasses.replace(cfg.optim, kind="sgd", momentum=0.0)
+
+
 def register_compression(
-    ddp_model: nn.Module, cfg: CompressionConfig, *, world_size: int, seed: int
+    ddp_model: nn.Module,
+    cfg: CompressionConfig,
+    *,
+    world_size: int,
+    seed: int,
+    optim: OptimConfig | None = None,
 ) -> CompressionState:
     """Register the hook for `cfg.kind` on `ddp_model`; return its state.
 
@@ -90,6 +142,7 @@ def register_compression(
         dense = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         stats = CommStats(bytes_sent=dense, dense_bytes=dense)
         return CompressionState(kind=cfg.kind, hook=None, fixed_stats=stats)
+    local = local_gradient(cfg, optim or OptimConfig(), model=model)
     hook: BucketHook
     if cfg.kind == "powersgd":
         hook = PowerSGDHook(
@@ -99,6 +152,8 @@ def register_compression(
             seed=seed,
             error_feedback=cfg.error_feedback,
             min_numel=cfg.min_numel,
+            warmup_steps=cfg.warmup_steps,
+            local=local,
         )
     else:
         hook = CodecHook(
@@ -107,6 +162,8 @@ def register_compression(
             compressor=build_compressor(cfg, seed=seed, rank=dist.get_rank(group)),
             error_feedback=cfg.error_feedback,
             min_numel=cfg.min_numel,
+            warmup_steps=cfg.warmup_steps,
+            local=local,
         )
     ddp_model.register_comm_hook(state=None, hook=hook.communicate)
     return CompressionState(kind=cfg.kind, hook=hook, fixed_stats=CommStats())

@@ -234,6 +234,12 @@ class RunFollower:
             self.failures.append({**record, "attempt": self.attempt, "after_step": self.last_step})
             if self.display is not None:
                 self.display.note(f"worker {record['rank']} failed: {record['error']}")
+        elif event == "compression":  # adaptive compression changed its ratio
+            self.tracker.log_metrics(
+                {"compression_topk_ratio": record["ratio"]}, step=record["step"]
+            )
+            if self.display is not None:
+                self.display.note(f"step {record['step']}: compression {record['reason']}")
 
     def _note_resize(self, start: dict[str, Any]) -> None:
         """Record a group that started at another size than the one before it."""

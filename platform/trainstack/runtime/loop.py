@@ -254,6 +254,8 @@ def train(
         done = step + 1
         if done == start_step + 1 and ctx.rank == 0:
             emit({"event": "first_step", "step": done, "time": time.time()})
+        for event in out.events if ctx.rank == 0 else ():
+            emit({**event, "step": done, "time": time.time()})
         if done % cfg.log.every_steps == 0 or done == cfg.train.steps:
             train_loss = strategy.global_mean(out.loss)  # a collective: every rank calls it
             window = meter.window()

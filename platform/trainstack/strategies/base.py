@@ -51,6 +51,9 @@ class StepOutput:
     """Bytes this rank passed to collectives this step (None: the strategy does not measure)."""
     compression_ratio: float | None = None
     """Dense fp32 gradient bytes / bytes_on_wire."""
+    events: tuple[dict[str, Any], ...] = ()
+    """Run events of this step, the same on every rank (e.g. adaptive compression's
+    changes: `{"event": "compression", "ratio": ..., "reason": ...}`)."""
 
 
 class Strategy(Protocol):

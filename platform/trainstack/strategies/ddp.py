@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainstack.checkpoint import Checkpoint, rank_file
 from trainstack.compression import CompressionState, register_compression
+from trainstack.compression.state import moments_on_ranks, optimizer_config
 from trainstack.config import JobConfig
 from trainstack.data.sharding import Batch
 from trainstack.optim import build_optimizer, build_scheduler, scaled_lr
@@ -64,11 +65,16 @@ class DDPStrategy:
                 gradient_as_bucket_view=self.cfg.strategy.gradient_as_bucket_view,
             )
         self.compression = register_compression(
-            model, self.cfg.compression, world_size=self.ctx.world_size, seed=self.cfg.train.seed
+            model,
+            self.cfg.compression,
+            world_size=self.ctx.world_size,
+            seed=self.cfg.train.seed,
+            optim=self.cfg.optim,
         )
         self.model = model
         lr = scaled_lr(self.cfg.optim, data_parallel_size=self.ctx.world_size)
-        self.optimizer = build_optimizer(self.unwrapped_model(), self.cfg.optim, lr=lr)
+        optim = optimizer_config(self.cfg, world_size=self.ctx.world_size)
+        self.optimizer = build_optimizer(self.unwrapped_model(), optim, lr=lr)
         self.scheduler = build_scheduler(
             self.optimizer, self.cfg.optim, total_steps=self.cfg.train.steps
         )
@@ -94,6 +100,8 @@ class DDPStrategy:
             self._peak_grad_bytes = max(self._peak_grad_bytes, storage_bytes(grads))
             total += loss.detach()
         max_norm = self.cfg.optim.grad_clip or float("inf")
+        if moments_on_ranks(self.cfg, world_size=self.ctx.world_size):
+            max_norm = float("inf")  # the hook sent updates, from gradients clipped on each rank
         grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         lr = float(self.scheduler.get_last_lr()[0])
         self.optimizer.step()
@@ -136,6 +144,25 @@ class DDPStrategy:
         params = [p for p in self.unwrapped_model().parameters() if p.requires_grad]
         numel = sum(p.numel() for p in params)
         return ring_allreduce_bytes(numel, element_size=4, world_size=self.ctx.world_size)
+
+    def layout_notes(self) -> list[str]:
+        """How gradients travel, when compressed."""
+        c = self.cfg.compression
+        if c.kind == "none" or not self.ctx.is_distributed:
+            return []
+        parts = [f"compression: {c.kind}"]
+        if moments_on_ranks(self.cfg, world_size=self.ctx.world_size):
+            parts.append(f"{self.cfg.optim.kind} moments on each rank (momentum correction)")
+        if c.warmup_steps:
+            parts.append(f"warm-up {c.warmup_steps} steps")
+        return [", ".join(parts)]
+
+    def run_metrics(self) -> dict[str, Any]:
+        """Bytes over the whole run (warm-up included) and the run's compression ratio."""
+        if self.compression is None or self.cfg.compression.kind == "none":
+            return {}
+        total = self.compression.total
+        return {"bytes_on_wire_run": total.bytes_sent, "compression_ratio_run": total.ratio}
 
     def checkpoint_files(self) -> dict[str, Any]:
         """Replicas are identical, so rank 0 writes the model and optimizer; compression
