@@ -287,9 +287,12 @@ class StrategyConfig:
 @dataclass(kw_only=True)
 class CompressionConfig:
     kind: str = "none"
-    """Gradient compression: `none`, `fp16`, `bf16`, `topk`, `randk`, `qsgd`, `sign`, `powersgd`."""
+    """Gradient compression: `none`, `fp16`, `bf16`, `topk`, `randk`, `qsgd`, `sign`,
+    `powersgd`, or `auto` (DDP: top-k whose ratio, or dense, follows the measured
+    network; README, "Adaptive compression")."""
     ratio: float = 0.01
-    """topk, randk: fraction of each tensor's coordinates sent, in (0, 1]."""
+    """topk, randk: fraction of each tensor's coordinates sent, in (0, 1]; auto: the
+    sparsest ratio it may choose (of 0.1, 0.01, 0.001)."""
     bits: int = 8
     """qsgd: bits per coordinate on the wire, 2, 4 or 8."""
     rank: int = 4
@@ -310,6 +313,9 @@ class CompressionConfig:
     own gradient to optim.grad_clip first. On the demo job it brings top-k 1% from 11.7%
     to 3.1% above dense DDP's loss (README, "Gradient compression"); false compresses
     the raw gradient. Parameter-server pushes always send gradients."""
+    auto_link_gbit: float = 0.0
+    """kind auto: model the link as this many Gbit/s (latency 10 µs) instead of timing
+    all-reduces (0: measure), e.g. for a network the first steps do not show."""
     local_clip: bool = False
     """Clip each rank's gradient to optim.grad_clip before compression (per tensor, to
     its share sqrt(n_i / n) of the bound); always on with momentum_correction."""

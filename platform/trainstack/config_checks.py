@@ -76,6 +76,7 @@ COMPRESSION_KINDS: tuple[str, ...] = (
     "qsgd",
     "sign",
     "powersgd",
+    "auto",
 )
 QSGD_BITS: tuple[int, ...] = (2, 4, 8)
 OFFLOAD_DEVICES: tuple[str, ...] = ("none", "cpu")
@@ -693,6 +694,19 @@ def _validate_compression(cfg: JobConfig) -> None:
     _cap("compression.rank", c.rank, MAX_WIDTH)
     _require("compression.min_numel", c.min_numel >= 0, c.min_numel, ">= 0")
     _cap("compression.min_numel", c.min_numel, MAX_NUMEL)
+    _require(
+        "compression.auto_link_gbit", c.auto_link_gbit >= 0, c.auto_link_gbit, ">= 0 (0: measure)"
+    )
+    if c.auto_link_gbit and c.kind != "auto":
+        raise ConfigError(
+            "compression.auto_link_gbit models the link for kind auto; "
+            f"compression.kind is {c.kind}"
+        )
+    if c.kind == "auto" and cfg.strategy.kind != "ddp":
+        raise ConfigError(
+            f"compression.kind=auto adapts a DDP hook to the network; strategy.kind is "
+            f"{cfg.strategy.kind} (allowed: ddp, or a fixed kind such as topk for ps)"
+        )
     if c.kind != "none" and cfg.strategy.kind not in ("ddp", "ps"):
         raise ConfigError(
             f"compression.kind={c.kind} needs strategy.kind=ddp or ps; got {cfg.strategy.kind}"

@@ -12,14 +12,17 @@ from trainstack.config import config_from_dict
 from trainstack.runtime.local import run_processes
 
 # The tolerance each method is held to: final held-out loss relative to uncompressed
-# DDP after the same 300 steps (README, "Gradient compression", states the same).
+# DDP after the same 300 steps, with the defaults (error feedback, AdamW's moments on
+# the ranks). Measured: casts 0.00%, qsgd 4-bit 0.07%, sign 0.12%, powersgd r4 0.20%,
+# top-k 1% 0.43% (2.32% compressing raw gradients), random-k 10% 2.86% (README,
+# "Gradient compression", states the same).
 TOLERANCE = {
     "fp16": 0.005,
     "bf16": 0.005,
-    "qsgd": 0.03,
-    "sign": 0.03,
-    "powersgd": 0.03,
-    "topk": 0.05,
+    "qsgd": 0.01,
+    "sign": 0.01,
+    "powersgd": 0.01,
+    "topk": 0.01,
     "randk": 0.05,
 }
 SETTINGS: dict[str, dict[str, Any]] = {
@@ -29,6 +32,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "randk": {"ratio": 0.1},
     # killed inside the warm-up, with AdamW's moments on the ranks
     "topk-dgc": {"kind": "topk", "ratio": 0.01, "momentum_correction": True, "warmup_steps": 16},
+    # killed after moving to top-k 1% at step 10 on a modelled 50 Mbit/s link
+    "auto": {"kind": "auto", "ratio": 0.01, "auto_link_gbit": 0.05},
 }
 
 
@@ -73,7 +78,7 @@ def events(out: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("kind", ["topk-dgc", "powersgd"])
+@pytest.mark.parametrize("kind", ["topk-dgc", "powersgd", "auto"])
 def test_killed_worker_resumes_compressed_training_bitwise(kind: str, tmp_path: Path) -> None:
     run_processes(
         config_from_dict(spec(tmp_path / "a", kind, steps=20)), world_size=2, out_dir=tmp_path / "a"
@@ -94,3 +99,7 @@ def test_killed_worker_resumes_compressed_training_bitwise(kind: str, tmp_path: 
     a = torch.load(tmp_path / "a" / "model.pt", weights_only=True)
     b = torch.load(tmp_path / "b" / "model.pt", weights_only=True)
     assert all(torch.equal(a[name], b[name]) for name in a)
+    if kind == "auto":  # the move is an event of the run, once (the kill came after it)
+        moves = [e for e in events(tmp_path / "b") if e.get("event") == "compression"]
+        assert [(e["step"], e["ratio"]) for e in moves] == [(10, 0.01)]
+        assert moves[0]["reason"].startswith("top-k 0.01: modelled step")

@@ -323,6 +323,11 @@ def test_compression_section_defaults_off_and_loads_every_field() -> None:
         ({"rank": 0}, "compression.rank=0 is out of range; allowed: >= 1"),
         ({"min_numel": -1}, "compression.min_numel=-1 is out of range; allowed: >= 0"),
         ({"kind": "sign", "bitz": 2}, "unknown key 'compression.bitz'; did you mean"),
+        ({"kind": "topk", "warmup_steps": -1}, "compression.warmup_steps=-1 is out of range"),
+        ({"kind": "topk", "warmup_steps": 200}, "compression.warmup_steps=200 is out of range"),
+        ({"kind": "fp16", "warmup_steps": 5}, "compression.warmup_steps applies to lossy"),
+        ({"kind": "auto", "auto_link_gbit": -1}, "compression.auto_link_gbit=-1.0 is out of"),
+        ({"kind": "topk", "auto_link_gbit": 1}, "compression.auto_link_gbit models the link for"),
     ],
 )
 def test_compression_out_of_range_values_are_one_line_errors(section: dict, expected: str) -> None:
@@ -334,6 +339,19 @@ def test_compression_needs_ddp_for_now() -> None:
     assert message == "compression.kind=topk needs strategy.kind=ddp or ps; got zero"
     assert config_from_dict({"strategy": {"kind": "zero"}}).compression.kind == "none"
     assert config_from_dict({"compression": {"kind": "powersgd"}}).compression.rank == 4
+
+
+def test_compression_parts_only_a_ddp_hook_has_are_refused_elsewhere() -> None:
+    ps, optim = {"kind": "ps"}, {"grad_clip": 0.0}
+    assert error_of({"compression": {"kind": "auto"}, "strategy": ps, "optim": optim}).startswith(
+        "compression.kind=auto adapts a DDP hook to the network; strategy.kind is ps"
+    )
+    local_clip = {"kind": "topk", "local_clip": True}
+    message = error_of({"compression": local_clip, "strategy": ps, "optim": optim})
+    assert message.startswith("compression.local_clip is a DDP hook's; strategy.kind=ps")
+    # on by default, so accepted where it does not apply (ps pushes send gradients)
+    topk = {"compression": {"kind": "topk"}, "strategy": ps, "optim": optim}
+    assert config_from_dict(topk).compression.momentum_correction
 
 
 # ---- strategy: ZeRO and raw DeepSpeed keys -----------------------------------------

@@ -13,6 +13,7 @@ COLLECTIVES: dict[str, Collective] = {
     "randk": "all_reduce",
     "powersgd": "all_reduce",
     "topk": "all_gather",
+    "auto": "all_gather",
     "qsgd": "all_gather",
     "sign": "all_gather",
 }

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainstack.compression.auto import AdaptiveRatio
 from trainstack.compression.base import CommStats, Compressor, ErrorFeedback, Payload
 from trainstack.compression.local import LocalGradient
 from trainstack.compression.sparsify import RandK, TopK, warmup_ratio
@@ -100,7 +101,9 @@ class BucketHook:
         self.total = CommStats()
         """Bytes of every step so far (warm-up included), over restarts."""
         self.codec_seconds = 0.0
-        """Seconds spent encoding, launching and decoding since start (both threads)."""
+        """Seconds spent encoding, launching and decoding in this process (both threads)."""
+        self.first_step = 0
+        """The step this process started from (codec_seconds covers the steps since)."""
         self._sent = self._gathered = self._dense = 0
 
     def communicate(
@@ -125,6 +128,12 @@ class BucketHook:
         """Launch what leaves each unit holding the mean over ranks."""
         raise NotImplementedError
 
+    def flush(self, index: int, sent: torch.Tensor) -> torch.Tensor:
+        """What a unit sends when it goes dense: with a residual kept from compressed
+        steps (adaptive compression turned dense), the residual too."""
+        del index
+        return sent
+
     def after(self, futures: list[torch.futures.Future[Any]], then: Callable[[], None]) -> Done:
         """Run `then` (decoding: timed as codec work) once every future has completed."""
 
@@ -134,6 +143,12 @@ class BucketHook:
             self.codec_seconds += time.perf_counter() - start
 
         return when_all(futures, timed)
+
+    @property
+    def codec_seconds_per_step(self) -> float:
+        """Mean seconds of codec work per step in this process (0 before a step)."""
+        steps = self.step - self.first_step
+        return self.codec_seconds / steps if steps else 0.0
 
     @property
     def warming_up(self) -> bool:
@@ -147,7 +162,7 @@ class BucketHook:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
+        self.step = self.first_step = int(state["step"])
         self.local.load_state_dict(state.get("local", {}))
         self.total = CommStats(**state.get("total", {}))
 
@@ -183,6 +198,10 @@ class BucketHook:
         return that reduction, the other units and what each of them is to send."""
         prepared = [self.local.prepare(u.grad, u.index, step=self.step) for u in units]
         picked = [dense(u) for u in units]
+        prepared = [
+            self.flush(u.index, t) if d else t
+            for u, t, d in zip(units, prepared, picked, strict=True)
+        ]
         reduced = self.all_reduce_mean(
             [u for u, d in zip(units, picked, strict=True) if d],
             [t for t, d in zip(prepared, picked, strict=True) if d],
@@ -226,6 +245,7 @@ class CodecHook(BucketHook):
         min_numel: int,
         warmup_steps: int = 0,
         local: LocalGradient | None = None,
+        adaptive: AdaptiveRatio | None = None,
     ) -> None:
         super().__init__(
             model,
@@ -234,6 +254,8 @@ class CodecHook(BucketHook):
             warmup_steps=warmup_steps,
             local=local,
         )
+        self.adaptive = adaptive
+        """`compression.kind: auto`: the top-k ratio (1: dense) it chooses per step."""
         self.compressor = compressor
         """The codec at its configured ratio (warm-up lowers a sparsifier's per step)."""
         self.sparse = isinstance(compressor, TopK | RandK)
@@ -241,7 +263,9 @@ class CodecHook(BucketHook):
 
     def reduce(self, units: list[GradUnit]) -> Done:
         compressor = self._current_compressor()
-        dense_now = self.warming_up and not self.sparse
+        dense_now = (self.warming_up and not self.sparse) or (
+            self.adaptive is not None and self.adaptive.ratio >= 1.0
+        )
         dense, units, sent = self.split_dense(
             units, lambda u: dense_now or u.grad.numel() < self.min_numel
         )
@@ -264,12 +288,24 @@ class CodecHook(BucketHook):
         )
 
     def _current_compressor(self) -> Compressor:
-        """Sparsifiers under warm-up keep a ratio ramping from 1 to theirs."""
+        """Sparsifiers under warm-up keep a ratio ramping from 1 to theirs; under auto,
+        the controller's."""
         base = self.compressor
-        if not self.warming_up or not isinstance(base, TopK | RandK):
+        if not isinstance(base, TopK | RandK):
+            return base
+        if self.adaptive is not None:
+            return dataclasses.replace(base, ratio=self.adaptive.ratio)
+        if not self.warming_up:
             return base
         ratio = warmup_ratio(base.ratio, step=self.step, warmup_steps=self.warmup_steps)
         return dataclasses.replace(base, ratio=ratio)
+
+    def flush(self, index: int, sent: torch.Tensor) -> torch.Tensor:
+        if index not in self.feedback.residuals:
+            return sent
+        corrected = self.feedback.corrected(sent, index)
+        del self.feedback.residuals[index]
+        return corrected
 
     def _encode(self, compressor: Compressor, unit: GradUnit, sent: torch.Tensor) -> Payload:
         """Compress sent + residual; keep the new residual; mask momentum where sent."""
@@ -289,12 +325,15 @@ class CodecHook(BucketHook):
             **super().state_dict(),
             "residuals": self.feedback.state_dict(),
             "compressor": self.compressor.state_dict(),
+            "adaptive": self.adaptive.state_dict() if self.adaptive is not None else {},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.feedback.load_state_dict(state["residuals"])
         self.compressor.load_state_dict(state["compressor"])
+        if self.adaptive is not None and state.get("adaptive"):
+            self.adaptive.load_state_dict(state["adaptive"])
 
 
 @dataclass(frozen=True)

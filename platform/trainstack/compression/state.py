@@ -16,6 +16,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from trainstack.compression.auto import (
+    ASSUMED_LATENCY_S,
+    CANDIDATES,
+    AdaptiveRatio,
+    LinkFit,
+    time_all_reduces,
+)
 from trainstack.compression.base import CommStats, Compressor
 from trainstack.compression.hooks import BucketHook, CodecHook
 from trainstack.compression.local import LocalGradient
@@ -32,7 +39,7 @@ def build_compressor(cfg: CompressionConfig, *, seed: int, rank: int) -> Compres
             return Cast(torch.float16)
         case "bf16":
             return Cast(torch.bfloat16)
-        case "topk":
+        case "topk" | "auto":
             return TopK(cfg.ratio)
         case "randk":
             return RandK(cfg.ratio, seed=seed, unbiased=not cfg.error_feedback)
@@ -48,10 +55,20 @@ def build_compressor(cfg: CompressionConfig, *, seed: int, rank: int) -> Compres
 class CompressionState:
     """A DDP model's compression: this rank's per-step bytes and its resumable state."""
 
-    def __init__(self, *, kind: str, hook: BucketHook | None, fixed_stats: CommStats) -> None:
+    def __init__(
+        self,
+        *,
+        kind: str,
+        hook: BucketHook | None,
+        fixed_stats: CommStats,
+        device: torch.device | None = None,
+    ) -> None:
         self.kind = kind
         self.hook = hook
         self._fixed_stats = fixed_stats
+        self.device = device or torch.device("cpu")
+        """Where the gradients live (the link is timed there)."""
+        self._codec_mark = 0.0
 
     @property
     def stats(self) -> CommStats:
@@ -67,6 +84,27 @@ class CompressionState:
     def step(self) -> int:
         """Optimizer steps compressed so far (0 without a hook)."""
         return self.hook.step if self.hook is not None else 0
+
+    def after_step(self, *, step_s: float, loss: torch.Tensor) -> tuple[dict[str, Any], ...]:
+        """Under `kind: auto`, feed the controller this step's figures (averaged over
+        ranks: a collective) and, when it asks, time the link; the run events of any
+        change of ratio. Nothing otherwise."""
+        hook = self.hook
+        if not isinstance(hook, CodecHook) or hook.adaptive is None:
+            return ()
+        codec_s, self._codec_mark = hook.codec_seconds - self._codec_mark, hook.codec_seconds
+        figures = torch.tensor([step_s, codec_s, float(loss)], dtype=torch.float64)
+        dist.all_reduce(figures, group=hook.process_group)
+        step_s, codec_s, mean_loss = (figures / hook.world_size).tolist()
+        decision = hook.adaptive.observe_step(
+            hook.step, step_s=step_s, codec_s=codec_s, loss=mean_loss
+        )
+        if hook.adaptive.wants_probe(hook.step):
+            dense = hook.adaptive.comm_bytes(1.0)[0]
+            sizes = [dense, dense // 10, dense // 100]
+            timings = time_all_reduces(sizes, group=hook.process_group, device=self.device)
+            hook.adaptive.observe_link(timings)
+        return (decision.event(),) if decision is not None else ()
 
     def state_dict(self) -> dict[str, Any]:
         hook_state = self.hook.state_dict() if self.hook is not None else {}
@@ -164,6 +202,33 @@ def register_compression(
             min_numel=cfg.min_numel,
             warmup_steps=cfg.warmup_steps,
             local=local,
+            adaptive=adaptive_ratio(cfg, model, world_size=world_size)
+            if cfg.kind == "auto"
+            else None,
         )
     ddp_model.register_comm_hook(state=None, hook=hook.communicate)
-    return CompressionState(kind=cfg.kind, hook=hook, fixed_stats=CommStats())
+    device = next(model.parameters()).device
+    return CompressionState(kind=cfg.kind, hook=hook, fixed_stats=CommStats(), device=device)
+
+
+def adaptive_ratio(cfg: CompressionConfig, model: nn.Module, *, world_size: int) -> AdaptiveRatio:
+    """`kind: auto`'s controller: dense and top-k ratios down to `cfg.ratio`, with the
+    bytes the hook sends at each (tensors under `min_numel` always dense)."""
+    shapes = [p.shape for p in model.parameters() if p.requires_grad]
+
+    def comm_bytes(ratio: float) -> tuple[int, int]:
+        reduced = gathered = 0
+        for shape in shapes:
+            if ratio >= 1.0 or shape.numel() < cfg.min_numel:
+                reduced += 4 * shape.numel()
+            else:
+                gathered += TopK(ratio).payload_bytes(shape)
+        return reduced, gathered
+
+    candidates = tuple(r for r in CANDIDATES if r >= cfg.ratio)
+    assumed = None
+    if cfg.auto_link_gbit:
+        assumed = LinkFit(latency_s=ASSUMED_LATENCY_S, bytes_per_s=cfg.auto_link_gbit * 1e9 / 8)
+    return AdaptiveRatio(
+        candidates=candidates, comm_bytes=comm_bytes, world_size=world_size, assumed_link=assumed
+    )

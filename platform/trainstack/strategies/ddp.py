@@ -9,6 +9,7 @@ and counts the bytes it really sent.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any
 
 import torch
@@ -86,6 +87,7 @@ class DDPStrategy:
 
     def train_step(self, micro_batches: list[Batch]) -> StepOutput:
         assert self.optimizer is not None and self.scheduler is not None, "setup() first"
+        started = time.perf_counter()
         accum = len(micro_batches)
         total = torch.zeros((), device=self.ctx.device)
         for i, (x, y) in enumerate(micro_batches):
@@ -109,12 +111,15 @@ class DDPStrategy:
         self.optimizer.zero_grad(set_to_none=True)
         assert self.compression is not None
         stats = self.compression.stats  # what the hook sent in this step's backward
+        loss = total / accum
+        events = self.compression.after_step(step_s=time.perf_counter() - started, loss=loss)
         return StepOutput(
-            loss=total / accum,
+            loss=loss,
             grad_norm=float(grad_norm),
             lr=lr,
             bytes_on_wire=stats.bytes_sent,
             compression_ratio=stats.ratio,
+            events=events,
         )
 
     def evaluate(self, batches: list[Batch]) -> EvalSums:
@@ -161,8 +166,12 @@ class DDPStrategy:
         """Bytes over the whole run (warm-up included) and the run's compression ratio."""
         if self.compression is None or self.cfg.compression.kind == "none":
             return {}
-        total = self.compression.total
-        return {"bytes_on_wire_run": total.bytes_sent, "compression_ratio_run": total.ratio}
+        total, hook = self.compression.total, self.compression.hook
+        return {
+            "bytes_on_wire_run": total.bytes_sent,
+            "compression_ratio_run": total.ratio,
+            "codec_s_per_step": hook.codec_seconds_per_step if hook is not None else 0.0,
+        }
 
     def checkpoint_files(self) -> dict[str, Any]:
         """Replicas are identical, so rank 0 writes the model and optimizer; compression
