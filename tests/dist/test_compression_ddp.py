@@ -95,40 +95,48 @@ class Expected:
         self.q: dict[int, torch.Tensor] = {}
         self.moments: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def local_update(self, r: int, i: int, g: torch.Tensor, step: int, total: int) -> torch.Tensor:
-        """Rank r's tensor to send for parameter i: clipped, then AdamW's m̂/(sqrt(v̂)+eps)."""
+    def clipped(self, g: torch.Tensor, total: int) -> torch.Tensor:
         if not (self.cfg.local_clip or self.cfg.momentum_correction):
             return g
         # The same float operations as the hook's, in the same order: top-k at step 0
         # picks among near-ties (|m̂/sqrt(v̂)| is about 1 everywhere).
         limit = OPTIM.grad_clip * math.sqrt(g.numel() / total)
-        g = g * torch.clamp(limit / (g.norm() + 1e-6), max=1.0)
+        return g * torch.clamp(limit / (g.norm() + 1e-6), max=1.0)
+
+    def update(self, key: tuple[int, int], g: torch.Tensor, step: int) -> torch.Tensor:
+        """AdamW's m̂/(sqrt(v̂)+eps) from the moments kept under `key` (g without them)."""
         if not self.cfg.momentum_correction:
             return g
         b1, b2 = OPTIM.betas
-        m, v = self.moments.get((r, i), (torch.zeros_like(g), torch.zeros_like(g)))
+        m, v = self.moments.get(key, (torch.zeros_like(g), torch.zeros_like(g)))
         m = m.mul(b1).add(g, alpha=1 - b1)
         v = v.mul(b2).addcmul(g, g, value=1 - b2)
-        self.moments[r, i] = (m, v)
+        self.moments[key] = (m, v)
         t = step + 1
         return (m / (1 - b1**t)).div((v / (1 - b2**t)).sqrt().add(1e-8))
 
+    def dense(self, g: torch.Tensor, step: int) -> bool:
+        warming = step < self.cfg.warmup_steps and self.cfg.kind != "topk"
+        unfactored = self.cfg.kind == "powersgd" and low_rank_shape(g.shape, self.cfg.rank) is None
+        small = self.cfg.kind == "none" or g.numel() < self.cfg.min_numel
+        return small or warming or unfactored
+
     def mean(self, local: list[list[torch.Tensor]], step: int) -> list[torch.Tensor]:
-        """local[r][i]: rank r's gradient of parameter i."""
+        """local[r][i]: rank r's gradient of parameter i. Dense tensors: the update of
+        the mean clipped gradient, from moments every rank shares; compressed ones:
+        each rank compresses the update of its own clipped gradient, from its moments."""
         total = sum(g.numel() for g in local[0])
-        local = [
-            [self.local_update(r, i, g, step, total) for i, g in enumerate(grads)]
-            for r, grads in enumerate(local)
-        ]
         warming = step < self.cfg.warmup_steps
         ratio = self.cfg.ratio ** (step / self.cfg.warmup_steps) if warming else self.cfg.ratio
         out = []
-        for i, per_rank in enumerate(zip(*local, strict=True)):
-            dense = self.cfg.kind == "none" or per_rank[0].numel() < self.cfg.min_numel
-            if dense or (warming and self.cfg.kind != "topk"):
-                out.append(torch.stack(per_rank).mean(0))
-            elif self.cfg.kind == "powersgd":
-                out.append(self.power_sgd(i, list(per_rank)))
+        for i, grads in enumerate(zip(*local, strict=True)):
+            clipped = [self.clipped(g, total) for g in grads]
+            if self.dense(grads[0], step):
+                out.append(self.update((-1, i), torch.stack(clipped).mean(0), step))
+                continue
+            per_rank = [self.update((r, i), g, step) for r, g in enumerate(clipped)]
+            if self.cfg.kind == "powersgd":
+                out.append(self.power_sgd(i, per_rank))
             else:
                 codecs = [
                     dataclasses.replace(c, ratio=ratio) if warming else c for c in self.codecs

@@ -128,11 +128,11 @@ class BucketHook:
         """Launch what leaves each unit holding the mean over ranks."""
         raise NotImplementedError
 
-    def flush(self, index: int, sent: torch.Tensor) -> torch.Tensor:
-        """What a unit sends when it goes dense: with a residual kept from compressed
-        steps (adaptive compression turned dense), the residual too."""
+    def take_residual(self, index: int) -> torch.Tensor | None:
+        """The residual a unit kept from compressed steps, now to be sent dense (and
+        forgotten); None if it has none."""
         del index
-        return sent
+        return None
 
     def after(self, futures: list[torch.futures.Future[Any]], then: Callable[[], None]) -> Done:
         """Run `then` (decoding: timed as codec work) once every future has completed."""
@@ -178,36 +178,41 @@ class BucketHook:
 
     # ---- collectives (counted) ----
 
-    def all_reduce_mean(self, units: list[GradUnit], sent: list[torch.Tensor]) -> Done:
-        """Leave in each unit the mean over ranks of its `sent` tensor: one fp32
-        all-reduce of them all."""
+    def all_reduce_mean(self, units: list[GradUnit]) -> Done:
+        """Send `units` dense: one fp32 all-reduce of their (clipped) gradients, then
+        each unit's update from the mean: every rank advances the same moments from
+        the averaged gradient, so dense tensors train as under plain DDP. A residual
+        left by compressed steps (auto turned dense) is averaged along and added."""
         if not units:
             return done()
-        flat = torch.cat([t.reshape(-1).to(torch.float32) for t in sent]).div_(self.world_size)
+        step = self.step
+        grads = [self.local.clip_of(u.grad) for u in units]
+        residuals = [self.take_residual(u.index) for u in units]
+        parts = grads + [r for r in residuals if r is not None]
+        flat = torch.cat([t.reshape(-1).to(torch.float32) for t in parts]).div_(self.world_size)
 
         def write() -> None:
-            for unit, mean in zip(units, flat.split([t.numel() for t in sent]), strict=True):
-                unit.grad.copy_(mean.view_as(unit.grad))
+            means = iter(flat.split([t.numel() for t in parts]))
+            for unit in units:
+                mean = next(means).view_as(unit.grad)
+                update = self.local.moments_of(mean, unit.index, step=step)
+                unit.grad.copy_(update)
+            for unit, residual in zip(units, residuals, strict=True):
+                if residual is not None:
+                    unit.grad.add_(next(means).view_as(unit.grad))
 
         return self.after([self.all_reduce(flat)], write)
 
     def split_dense(
         self, units: list[GradUnit], dense: Callable[[GradUnit], bool]
     ) -> tuple[Done, list[GradUnit], list[torch.Tensor]]:
-        """Apply the local transform to every unit and all-reduce those `dense` picks;
-        return that reduction, the other units and what each of them is to send."""
-        prepared = [self.local.prepare(u.grad, u.index, step=self.step) for u in units]
+        """All-reduce the units `dense` picks; return that reduction, the other units
+        and what each of them is to compress (clipped, its rank's update)."""
         picked = [dense(u) for u in units]
-        prepared = [
-            self.flush(u.index, t) if d else t
-            for u, t, d in zip(units, prepared, picked, strict=True)
-        ]
-        reduced = self.all_reduce_mean(
-            [u for u, d in zip(units, picked, strict=True) if d],
-            [t for t, d in zip(prepared, picked, strict=True) if d],
-        )
-        rest = [(u, t) for u, t, d in zip(units, prepared, picked, strict=True) if not d]
-        return reduced, [u for u, _ in rest], [t for _, t in rest]
+        reduced = self.all_reduce_mean([u for u, d in zip(units, picked, strict=True) if d])
+        rest = [u for u, d in zip(units, picked, strict=True) if not d]
+        sent = [self.local.prepare(u.grad, u.index, step=self.step) for u in rest]
+        return reduced, rest, sent
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future[Any]:
         """Launch a sum of `tensor` over ranks, in place."""
@@ -300,12 +305,8 @@ class CodecHook(BucketHook):
         ratio = warmup_ratio(base.ratio, step=self.step, warmup_steps=self.warmup_steps)
         return dataclasses.replace(base, ratio=ratio)
 
-    def flush(self, index: int, sent: torch.Tensor) -> torch.Tensor:
-        if index not in self.feedback.residuals:
-            return sent
-        corrected = self.feedback.corrected(sent, index)
-        del self.feedback.residuals[index]
-        return corrected
+    def take_residual(self, index: int) -> torch.Tensor | None:
+        return self.feedback.residuals.pop(index, None)
 
     def _encode(self, compressor: Compressor, unit: GradUnit, sent: torch.Tensor) -> Payload:
         """Compress sent + residual; keep the new residual; mask momentum where sent."""

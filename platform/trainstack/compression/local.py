@@ -53,24 +53,30 @@ class LocalGradient:
         self.first: dict[int, torch.Tensor] = {}
         self.second: dict[int, torch.Tensor] = {}
 
-    @property
-    def active(self) -> bool:
-        return self.moments != "none" or self.clip > 0
-
     def prepare(self, grad: torch.Tensor, index: int, *, step: int) -> torch.Tensor:
-        """What this rank sends for `grad` at `step` (0-based): clipped, then its
+        """What this rank compresses for `grad` at `step` (0-based): clipped, then its
         update. Callers must not modify the result."""
-        if not self.active:
+        return self.moments_of(self.clip_of(grad), index, step=step)
+
+    def clip_of(self, grad: torch.Tensor) -> torch.Tensor:
+        """`grad` clipped to its share of the bound (itself without clipping)."""
+        if self.clip <= 0:
             return grad
         g = grad.detach().to(torch.float32, copy=True)
-        if self.clip > 0:
-            limit = self.clip * math.sqrt(g.numel() / self.total_numel)
-            g.mul_(torch.clamp(limit / (g.norm() + 1e-6), max=1.0))
+        limit = self.clip * math.sqrt(g.numel() / self.total_numel)
+        return g.mul_(torch.clamp(limit / (g.norm() + 1e-6), max=1.0))
+
+    def moments_of(self, g: torch.Tensor, index: int, *, step: int) -> torch.Tensor:
+        """The update of gradient `g` from the bucket's moments, which it advances (`g`
+        itself with no moments). Callers must not modify the result."""
         if self.moments == "none":
             return g
+        g = g.detach().to(torch.float32)
         if self.moments == "sgd":
             u = self.first.get(index)
-            self.first[index] = g if u is None else u.to(g.device).mul_(self.momentum).add_(g)
+            self.first[index] = (
+                g.clone() if u is None else u.to(g.device).mul_(self.momentum).add_(g)
+            )
             return self.first[index]
         m = self.first.get(index, torch.zeros_like(g)).to(g.device)
         v = self.second.get(index, torch.zeros_like(g)).to(g.device)
