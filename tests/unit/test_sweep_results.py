@@ -19,7 +19,13 @@ from trainstack.sweep.results import (
 from trainstack.sweep.spec import ObjectiveConfig
 
 
-def row(trial_id: str, loss: float, tps: float, status: str = COMPLETED) -> TrialRow:
+def row(
+    trial_id: str,
+    loss: float,
+    tps: float,
+    status: str = COMPLETED,
+    bytes_per_step: float = math.nan,
+) -> TrialRow:
     overrides = {"strategy.kind": trial_id.split("-")[0], "optim.lr": 0.003}
     return TrialRow(
         trial_id=trial_id,
@@ -31,6 +37,7 @@ def row(trial_id: str, loss: float, tps: float, status: str = COMPLETED) -> Tria
         eval_loss=loss,
         tokens_per_s=tps,
         elapsed_s=12.5,
+        bytes_per_step=bytes_per_step,
     )
 
 
@@ -74,6 +81,7 @@ def test_table_marks_the_best_and_csv_round_trips(tmp_path: Path) -> None:
         "eval_loss",
         "tokens_per_s",
         "train_s",
+        "bytes/step",
     ]
     assert lines[2].startswith("* zero-b") and "2.2800" in lines[2] and "60000" in lines[2]
     write_csv(ROWS, tmp_path / "results.csv")
@@ -86,4 +94,30 @@ def test_table_marks_the_best_and_csv_round_trips(tmp_path: Path) -> None:
 def test_pareto_plot_is_a_png(tmp_path: Path) -> None:
     path = tmp_path / "pareto.png"
     plot_pareto(ROWS, path, title="sweep t")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+COMPRESSED = [
+    row("none-a", 2.30, 90_000, bytes_per_step=423_424),  # front: lowest loss
+    row("topk-b", 2.36, 80_000, bytes_per_step=14_000),  # front: fewest bytes
+    row("powersgd-c", 2.35, 85_000, bytes_per_step=46_080),  # front: between them
+    row("qsgd-d", 2.40, 70_000, bytes_per_step=57_912),  # beaten by powersgd-c on both
+    row("topk-e", 2.10, 95_000, STOPPED, bytes_per_step=1_000),  # stopped early
+    row("zero-f", 2.20, 60_000),  # no bytes measured: not on this front
+]
+
+
+def test_bytes_front_keeps_the_fewest_bytes_for_each_loss() -> None:
+    front = pareto_front(COMPRESSED, "bytes_per_step")
+    assert [r.trial_id for r in front] == ["topk-b", "powersgd-c", "none-a"]
+    # against tokens/s the same trials give another front (zero-f has no bytes only)
+    assert [r.trial_id for r in pareto_front(COMPRESSED)] == ["none-a", "zero-f"]
+
+
+def test_bytes_column_and_plot(tmp_path: Path) -> None:
+    lines = format_table(COMPRESSED, best=None).splitlines()
+    assert lines[0].split()[-1] == "bytes/step"
+    assert lines[1].rstrip().endswith("423,424") and lines[6].rstrip().endswith("12.5")
+    path = tmp_path / "pareto_bytes.png"
+    plot_pareto(COMPRESSED, path, title="sweep t", against="bytes_per_step")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000

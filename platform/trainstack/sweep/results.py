@@ -1,5 +1,6 @@
 """A finished sweep's results: one row per trial, the table (console and CSV), the
-Pareto front of final loss against tokens/s and its plot, and the best trial."""
+Pareto fronts of final loss against tokens/s and against bytes on the wire per step,
+their plots, and the best trial."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from trainstack.sweep.spec import ObjectiveConfig
 
@@ -32,6 +33,10 @@ class TrialRow:
     """Completed: steady-state tokens/s of the run; else the last logged window."""
     elapsed_s: float = math.nan
     """Seconds of training to the last report (start-up excluded)."""
+    bytes_per_step: float = math.nan
+    """Bytes one rank handed to collectives per step: over the whole run (warm-up
+    included) for completed trials, else the last logged step's; NaN where the strategy
+    does not measure them."""
     error: str = ""
 
 
@@ -47,21 +52,30 @@ def label_for(overrides: Mapping[str, Any], *, skip: Collection[str] = ()) -> st
     return ", ".join(parts) or "base"
 
 
-def pareto_front(rows: Sequence[TrialRow]) -> list[TrialRow]:
-    """Completed trials no other completed trial beats on both loss and tokens/s,
-    fastest first."""
-    done = [r for r in rows if r.status == COMPLETED and _finite(r.eval_loss, r.tokens_per_s)]
+Against = Literal["tokens_per_s", "bytes_per_step"]
+"""The second axis of a front: tokens/s (more is better) or bytes per step (fewer)."""
+
+
+def pareto_front(rows: Sequence[TrialRow], against: Against = "tokens_per_s") -> list[TrialRow]:
+    """Completed trials no other completed trial beats on both loss and `against`,
+    best on `against` first."""
+    sign = 1.0 if against == "tokens_per_s" else -1.0
+
+    def score(r: TrialRow) -> float:  # higher is better
+        return sign * float(getattr(r, against))
+
+    done = [r for r in rows if r.status == COMPLETED and _finite(r.eval_loss, score(r))]
     front = [
         r
         for r in done
         if not any(
             o.eval_loss <= r.eval_loss
-            and o.tokens_per_s >= r.tokens_per_s
-            and (o.eval_loss < r.eval_loss or o.tokens_per_s > r.tokens_per_s)
+            and score(o) >= score(r)
+            and (o.eval_loss < r.eval_loss or score(o) > score(r))
             for o in done
         )
     ]
-    return sorted(front, key=lambda r: -r.tokens_per_s)
+    return sorted(front, key=lambda r: -score(r))
 
 
 def best_trial(rows: Sequence[TrialRow], objective: ObjectiveConfig) -> TrialRow | None:
@@ -76,7 +90,17 @@ def best_trial(rows: Sequence[TrialRow], objective: ObjectiveConfig) -> TrialRow
     return max(done, key=lambda r: r.tokens_per_s, default=None)
 
 
-COLUMNS = ("trial", "setting", "status", "step", "tokens", "eval_loss", "tokens_per_s", "train_s")
+COLUMNS = (
+    "trial",
+    "setting",
+    "status",
+    "step",
+    "tokens",
+    "eval_loss",
+    "tokens_per_s",
+    "train_s",
+    "bytes/step",
+)
 
 
 def table_rows(rows: Sequence[TrialRow]) -> list[list[str]]:
@@ -90,6 +114,7 @@ def table_rows(rows: Sequence[TrialRow]) -> list[list[str]]:
             fmt_number(r.eval_loss, ".4f"),
             fmt_number(r.tokens_per_s, ".0f"),
             fmt_number(r.elapsed_s, ".1f"),
+            fmt_number(r.bytes_per_step, ",.0f"),
         ]
         for r in rows
     ]
@@ -121,8 +146,10 @@ def write_csv(rows: Sequence[TrialRow], path: Path) -> None:
     write_text_atomically(path, out.getvalue())
 
 
-def plot_pareto(rows: Sequence[TrialRow], path: Path, *, title: str) -> None:
-    """Final held-out loss against tokens/s for every completed trial, numbered on the
+def plot_pareto(
+    rows: Sequence[TrialRow], path: Path, *, title: str, against: Against = "tokens_per_s"
+) -> None:
+    """Final held-out loss against `against` for every completed trial, numbered on the
     plot and named in a key beside it, with the Pareto front drawn through the ones
     nothing beats."""
     import matplotlib
@@ -130,13 +157,16 @@ def plot_pareto(rows: Sequence[TrialRow], path: Path, *, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    done = [r for r in rows if r.status == COMPLETED and _finite(r.eval_loss, r.tokens_per_s)]
-    front = pareto_front(rows)
+    def x(r: TrialRow) -> float:
+        return r.tokens_per_s / 1e3 if against == "tokens_per_s" else r.bytes_per_step
+
+    done = [r for r in rows if r.status == COMPLETED and _finite(r.eval_loss, x(r))]
+    front = pareto_front(rows, against)
     fig, (ax, key) = plt.subplots(
         1, 2, figsize=(12, 5.5), dpi=110, gridspec_kw={"width_ratios": [1.5, 1]}
     )
     ax.plot(
-        [r.tokens_per_s / 1e3 for r in front],
+        [x(r) for r in front],
         [r.eval_loss for r in front],
         color="tab:orange",
         marker="o",
@@ -146,7 +176,7 @@ def plot_pareto(rows: Sequence[TrialRow], path: Path, *, title: str) -> None:
         label="Pareto front",
     )
     ax.scatter(
-        [r.tokens_per_s / 1e3 for r in done],
+        [x(r) for r in done],
         [r.eval_loss for r in done],
         s=30,
         color="tab:blue",
@@ -157,25 +187,29 @@ def plot_pareto(rows: Sequence[TrialRow], path: Path, *, title: str) -> None:
     for number, r in enumerate(done, start=1):
         ax.annotate(
             str(number),
-            (r.tokens_per_s / 1e3, r.eval_loss),
+            (x(r), r.eval_loss),
             textcoords="offset points",
             xytext=(4, 4),
             fontsize=8,
         )
         mark = "*" if r in front else " "
-        lines.append(
-            f"{mark}{number:>3}  {r.eval_loss:.4f}  {r.tokens_per_s / 1e3:6.1f}k  {r.label}"
-        )
+        shown = f"{x(r):6.1f}k" if against == "tokens_per_s" else f"{x(r):9,.0f}"
+        lines.append(f"{mark}{number:>3}  {r.eval_loss:.4f}  {shown}  {r.label}")
     stopped = sum(r.status == STOPPED for r in rows)
     failed = sum(r.status == FAILED for r in rows)
     note = f"{len(done)} completed ({stopped} stopped early by ASHA, {failed} failed: not plotted)"
     ax.set_title(f"{title}\n{note}", fontsize=10)
-    ax.set_xlabel("throughput (thousand tokens/s, steady state)")
+    if against == "tokens_per_s":
+        ax.set_xlabel("throughput (thousand tokens/s, steady state)")
+    else:
+        ax.set_xscale("log")
+        ax.set_xlabel("bytes on the wire per rank per step (log scale)")
     ax.set_ylabel("final held-out loss (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize=8)
     key.axis("off")
-    header = "      loss   tokens/s  setting   (* Pareto front)"
+    unit = "tokens/s" if against == "tokens_per_s" else "bytes/step"
+    header = f"      loss   {unit}  setting   (* Pareto front)"
     key.text(0, 1, "\n".join([header, *lines]), family="monospace", fontsize=7.5, va="top")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -6,8 +6,9 @@ reserves no CPU of its own (see `tuning.HEAD_NODE`); a trial's workers reserve t
 when its run starts them, and the sweep runs as many trials at once as the cluster
 holds. Tune keeps the experiment state under `<storage_path>/<name>`, beside each
 trial's checkpoints (`runs/`), so `--resume` restores it without rerunning finished
-trials. At the end: the results table (console, `results.csv`), `pareto.png` and
-`best.yaml`.
+trials. At the end: the results table (console, `results.csv`), `pareto.png` (loss
+against tokens/s), `pareto_bytes.png` (loss against bytes per step, when trials differ
+in them: a compression sweep) and `best.yaml`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from trainstack.sweep.results import (
     fmt_number,
     format_table,
     label_for,
+    pareto_front,
     plot_pareto,
     write_csv,
 )
@@ -310,6 +312,7 @@ def _row(trial: Any, plan: TrialPlan) -> TrialRow:
         eval_loss=float(last.get("eval_loss", math.nan)),
         tokens_per_s=float(last.get("tokens_per_s", math.nan)),
         elapsed_s=float(last.get("elapsed_s", math.nan)),
+        bytes_per_step=float(last.get("bytes_on_wire", math.nan)),
         error=_error_line(trial) if status == FAILED else "",
     )
 
@@ -344,6 +347,13 @@ def _finish(
     write_csv(rows, sweep_dir / "results.csv")
     title = f"sweep {sweep.name}: final loss vs throughput"
     plot_pareto(rows, sweep_dir / "pareto.png", title=title)
+    measured = {r.bytes_per_step for r in rows if r.status == COMPLETED}
+    if len({b for b in measured if math.isfinite(b)}) >= 2:  # e.g. a compression sweep
+        title = f"sweep {sweep.name}: final loss vs bytes on the wire"
+        plot_pareto(rows, sweep_dir / "pareto_bytes.png", title=title, against="bytes_per_step")
+        front = pareto_front(rows, "bytes_per_step")
+        lines = [f"  {r.eval_loss:.4f}  {r.bytes_per_step:12,.0f}  {r.label}" for r in front]
+        show.note("loss / bytes-per-step Pareto front (fewest bytes first):\n" + "\n".join(lines))
     outcome.best_spec = best_spec = _write_best(sweep, best) if best is not None else None
     print(f"trainstack: sweep {sweep.name} results (* best)\n{table}", flush=True)
     if best is not None:
@@ -361,7 +371,8 @@ def _finish(
         "best_tokens_per_s": best.tokens_per_s if best else None,
     }
     if isinstance(parent, MlflowTracker):
-        for name in ("results.txt", "results.csv", "pareto.png", "best.yaml", STATE_FILE):
+        files = ("results.txt", "results.csv", "pareto.png", "pareto_bytes.png", "best.yaml")
+        for name in (*files, STATE_FILE):
             if (sweep_dir / name).exists():
                 parent.log_file(sweep_dir / name)
     parent.finish(summary, failed=best is None)

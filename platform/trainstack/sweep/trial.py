@@ -78,8 +78,10 @@ def run_trial(config: dict[str, Any], *, plan: TrialPlan) -> None:
     if plan.parent_run_id:
         tags["mlflow.parentRunId"] = plan.parent_run_id
     summary = run_job(cfg, on_record=on_record, tracking_tags=tags)
+    run_bytes = summary.get("bytes_on_wire_run")  # warm-up included, where measured
     final = {
         **summary,
+        **({"bytes_on_wire": run_bytes / summary["steps"]} if run_bytes else {}),
         "step": summary["steps"],
         "loss": summary.get("final_train_loss"),
         "elapsed_s": summary.get("train_s"),
