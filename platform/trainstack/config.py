@@ -311,7 +311,7 @@ class CompressionConfig:
     Compression's momentum correction) instead of the raw gradient; the optimizer then
     applies the averaged update with lr and weight decay alone, and each rank clips its
     own gradient to optim.grad_clip first. On the demo job it brings top-k 1% from 11.7%
-    to 3.1% above dense DDP's loss (README, "Gradient compression"); false compresses
+    to 2.8% above dense DDP's loss (README, "Gradient compression"); false compresses
     the raw gradient. Parameter-server pushes always send gradients."""
     auto_link_gbit: float = 0.0
     """kind auto: model the link as this many Gbit/s (latency 10 µs) instead of timing
