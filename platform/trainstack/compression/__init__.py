@@ -14,9 +14,16 @@ Tensors under `min_numel` (and, for powersgd, vectors or matrices not worth
 factoring) go dense: 4n bytes. `CommStats` reports a step's bytes and its dense
 equivalent; `modelled_comm_seconds` turns bytes into time.
 
+What keeps accuracy: error feedback (`ErrorFeedback`), momentum correction (`local.py`:
+each rank keeps the optimizer's moments and compresses the update), warm-up and local
+clipping (the hooks). `kind: auto` (`auto.py`) picks top-k's ratio or dense from the
+measured link and step times.
+
 Use from DDP: `state = register_compression(ddp_model, cfg.compression,
-world_size=..., seed=...)`, then `state.stats` after each step and
-`state.state_dict()` / `load_state_dict()` in checkpoints (per rank). As a codec
+world_size=..., seed=..., optim=cfg.optim)`, the optimizer built from
+`compression.state.optimizer_config(cfg, world_size=...)`; then
+`state.after_step(...)` and `state.stats` after each step, `state.state_dict()` /
+`load_state_dict()` in checkpoints (per rank). As a codec
 (parameter-server pushes): `build_compressor(cfg, seed=..., rank=...)` with
 `ErrorFeedback(enabled=...).encode(compressor, g, step=..., bucket_index=...)`.
 """

@@ -9,9 +9,10 @@ regroups them after it, and per-parameter state (residuals, warm starts, random
 streams) is the same however DDP groups them, on a fresh start and after a restart.
 Tensors smaller than `min_numel` go dense: one fp32 all-reduce per DDP bucket.
 
-Hooks encode on the calling thread (error feedback and momentum state change there, in
-bucket order) and launch their collectives asynchronously; decoding the received
-parts into the bucket is a callback on the collective's future. So, as with DDP's
+Hooks encode on the calling thread (residuals and the compressed tensors' moments
+change there, in bucket order) and launch their collectives asynchronously; decoding
+the received parts into the bucket (and the dense tensors' moments, advanced from the
+mean) is a callback on the collective's future. So, as with DDP's
 own all-reduce, communication and decoding overlap the rest of the backward pass.
 Every byte handed to a collective is counted: the whole tensor of an all-reduce, this
 rank's contribution to an all-gather.
