@@ -121,3 +121,15 @@ def test_bytes_column_and_plot(tmp_path: Path) -> None:
     path = tmp_path / "pareto_bytes.png"
     plot_pareto(COMPRESSED, path, title="sweep t", against="bytes_per_step")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_bytes_front_ties_keep_both_equals_and_drop_the_worse_at_equal_bytes() -> None:
+    rows = [
+        row("topk-a", 2.36, 80_000, bytes_per_step=14_000),
+        row("topk-b", 2.36, 70_000, bytes_per_step=14_000),  # equal on both: kept too
+        row("topk-c", 2.40, 90_000, bytes_per_step=14_000),  # same bytes, higher loss
+        row("none-d", 2.36, 95_000, bytes_per_step=423_424),  # same loss, more bytes
+        row("sign-e", 2.30, 85_000, bytes_per_step=math.nan),  # bytes not measured
+    ]
+    front = pareto_front(rows, "bytes_per_step")
+    assert sorted(r.trial_id for r in front) == ["topk-a", "topk-b"]
