@@ -107,9 +107,10 @@ class DataConfig:
     torch Dataset named by `target`)."""
     train: tuple[str, ...] = ()
     """tokens, text, arrays, ray: training files, paths or globs (relative to the working
-    directory)."""
+    directory): a list, or one path or glob."""
     val: tuple[str, ...] = ()
-    """tokens, text, arrays, ray: held-out files, paths or globs; empty: `val_fraction`."""
+    """tokens, text, arrays, ray: held-out files, paths or globs (a list, or one);
+    empty: `val_fraction`."""
     val_fraction: float = 0.0
     """Without `val`: the fraction of the training samples (text: of its files) held out,
     in [0, 0.5)."""
@@ -168,7 +169,10 @@ class TrainConfig:
     seed: int = 0
     """Seed of model initialisation (same on every rank) and dropout."""
     precision: str = "fp32"
-    """`fp32`, or `bf16` autocast (GPU, or CPU where supported)."""
+    """`fp32`, `bf16` autocast (GPU, or CPU where supported), or `fp64`: weights,
+    activations, gradients and collectives in float64, for numerics checks (the suite
+    compares layouts with one process this way, so the bound holds on any CPU). fp64
+    runs on the torch engines (ddp, fsdp, tensor parallel, pipeline engine torch)."""
     compile: bool = False
     """torch.compile each repeated block (a GPT's blocks, `model.checkpoint_modules`), as
     torchtitan does: after tensor parallelism and activation checkpointing, before

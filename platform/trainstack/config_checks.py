@@ -51,7 +51,7 @@ MAX_CLASSES = 1000
 MAX_INPUT_NUMEL = 2**20
 MAX_TEMPLATE_NUMEL = 2**25
 """clusters: class templates are held whole (float64), so classes × input size is bounded."""
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp64")
 OPTIM_KINDS: tuple[str, ...] = ("adamw", "sgd")
 LR_SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
 LR_SCALINGS: tuple[str, ...] = ("none", "linear", "sqrt")
@@ -869,6 +869,7 @@ def _validate_streaming(cfg: JobConfig) -> None:
 
 def _validate_cross_section(cfg: JobConfig) -> None:
     _validate_streaming(cfg)
+    _validate_fp64(cfg)
     _validate_object_store(cfg)
     _validate_elastic(cfg)
     t, o = cfg.train, cfg.optim
@@ -889,6 +890,26 @@ def _validate_cross_section(cfg: JobConfig) -> None:
         raise ConfigError(
             f"optim.warmup_steps={o.warmup_steps} must be less than train.steps={t.steps}; "
             f"allowed: 0 to {t.steps - 1}"
+        )
+
+
+def _validate_fp64(cfg: JobConfig) -> None:
+    """fp64 is the torch engines' (DeepSpeed trains in fp32/bf16, the parameter server's
+    wire is float32, the codecs pack float32)."""
+    if cfg.train.precision != "fp64":
+        return
+    s = cfg.strategy
+    engine = s.kind if s.kind != "pipeline" else f"pipeline engine {s.engine}"
+    if s.kind in ("zero", "ps", "auto") or (s.kind == "pipeline" and s.engine != "torch"):
+        raise ConfigError(
+            f"train.precision=fp64 with strategy.kind={engine}: float64 training runs on "
+            "the torch engines only; allowed: strategy.kind ddp, fsdp or pipeline (engine "
+            "torch), or precision fp32 / bf16"
+        )
+    if cfg.compression.kind != "none":
+        raise ConfigError(
+            f"train.precision=fp64 with compression.kind={cfg.compression.kind}: the codecs "
+            "encode float32 gradients; allowed: compression.kind none, or precision fp32"
         )
 
 

@@ -45,6 +45,9 @@ class Task:
     """The logits' last dimension: the vocabulary (lm) or the classes (classify)."""
     user_loss: UserLoss | None = None
     """`task.loss`, imported; None: cross-entropy."""
+    input_dtype: torch.dtype | None = None
+    """What floating-point inputs are cast to (the weights' dtype under `train.precision:
+    fp64`); None: as the data gives them."""
 
     def logits(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
         """The logits in `outputs`, checked against the task's shape."""
@@ -78,8 +81,10 @@ class Task:
                     "allowed: a scalar tensor"
                 )
             return value.reshape(())
-        logits = self.logits(outputs, targets)
-        return nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+        logits = self.logits(outputs, targets).flatten(0, -2)
+        if logits.dtype not in (torch.float32, torch.float64):  # bf16 logits: fp32 loss
+            logits = logits.float()
+        return nn.functional.cross_entropy(logits, targets.flatten())
 
     def pipeline_loss(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
         """`loss` as a pipeline schedule calls it on the last stage: (outputs, targets)."""
@@ -139,7 +144,12 @@ def build_task(cfg: JobConfig) -> Task:
             "allowed: a function fn(outputs, batch) -> scalar tensor"
         )
     num_outputs = cfg.data.vocab_size if cfg.task.kind == "lm" else cfg.data.num_classes
-    return Task(kind=cfg.task.kind, num_outputs=num_outputs, user_loss=user_loss)
+    return Task(
+        kind=cfg.task.kind,
+        num_outputs=num_outputs,
+        user_loss=user_loss,
+        input_dtype=torch.float64 if cfg.train.precision == "fp64" else None,
+    )
 
 
 @torch.no_grad()
@@ -158,6 +168,8 @@ def evaluate(
     """
     sums = torch.zeros(3, dtype=torch.float64)
     for x, y in batches:
+        if task.input_dtype is not None and x.is_floating_point():
+            x = x.to(task.input_dtype)
         x, y = x.to(device), y.to(device)
         outputs = forward(x)
         if outputs is not None:

@@ -201,6 +201,8 @@ class Precision:
 
 
 FP32 = Precision(activation_bytes=4, residual_bytes=4, weight_copy_bytes=0)
+FP64 = Precision(activation_bytes=8, residual_bytes=8, weight_copy_bytes=0)
+"""`train.precision: fp64` (numerics checks): every activation in float64."""
 AUTOCAST_BF16 = Precision(activation_bytes=2, residual_bytes=4, weight_copy_bytes=2)
 """bf16 autocast over fp32 weights: DDP, pipelines, FSDP without sharding (tp only)."""
 BF16_WEIGHTS = Precision(activation_bytes=2, residual_bytes=2, weight_copy_bytes=0)

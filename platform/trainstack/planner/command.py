@@ -123,7 +123,7 @@ def format_plan(plan: Plan, *, name: str) -> str:
     lines = [
         f"trainstack plan: {name}: {w.model}, {w.params:,} parameters, "
         f"{w.global_batch} samples × {w.tokens_per_sample} tokens a step, "
-        f"{'fp32' if w.element_bytes == 4 else 'bf16'}",
+        f"{ {4: 'fp32', 2: 'bf16', 8: 'fp64'}[w.element_bytes] }",
         f"on {hw.devices} device(s) × {format_bytes(hw.memory_bytes)}, "
         f"{format_bytes(hw.bandwidth)}/s a rank, {hw.peak_flops / 1e12:g} TFLOP/s peak at "
         f"{hw.efficiency:.0%}",

@@ -46,10 +46,16 @@ class StateBytes:
 
 
 def model_state_bytes(
-    layout: Layout, *, params: int, element_bytes: int, optimizer_bytes: int
+    layout: Layout,
+    *,
+    params: int,
+    element_bytes: int,
+    optimizer_bytes: int,
+    weight_bytes: int = FP32_BYTES,
 ) -> StateBytes:
     """Bytes of parameters, gradients and optimizer state one rank of `layout` holds
-    (the table in the module docstring; integer division as `capacity.model_state`)."""
+    (the table in the module docstring, whose 4 is `weight_bytes`: 8 when the torch
+    engines train in fp64; integer division as `capacity.model_state`)."""
     psi, n, e, o = params, layout.devices, element_bytes, optimizer_bytes
     if layout.kind == "zero":
         weights = e * psi if layout.stage < 3 else e * psi // n
@@ -57,7 +63,7 @@ def model_state_bytes(
         state = (FP32_BYTES + o) * psi // n
         host = state * layout.offload_optimizer + weights * layout.offload_param
         return StateBytes(device=weights + grads + state - host, host=host)
-    whole = (2 * FP32_BYTES + o) * psi
+    whole = (2 * weight_bytes + o) * psi
     if layout.kind == "fsdp":
         split = whole // (layout.shard * layout.tensor_parallel)
         host = split if layout.offload_param else 0

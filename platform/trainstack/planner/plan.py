@@ -32,6 +32,7 @@ from trainstack.planner.activations import (
     AUTOCAST_BF16,
     BF16_WEIGHTS,
     FP32,
+    FP64,
     ActivationDtype,
     Architecture,
     Precision,
@@ -173,7 +174,11 @@ def estimate(
     w, e = workload, workload.element_bytes
     accumulation = w.global_batch // (layout.data_parallel * micro_batch)
     state = model_state_bytes(
-        layout, params=w.params, element_bytes=e, optimizer_bytes=w.optimizer_bytes
+        layout,
+        params=w.params,
+        element_bytes=e,
+        optimizer_bytes=w.optimizer_bytes,
+        weight_bytes=w.weight_bytes,
     )
     activations = _activations(
         w, layout, micro_batch=micro_batch, m=accumulation, recompute=recompute
@@ -249,6 +254,8 @@ def _activations(
 def _precision(w: Workload, layout: Layout) -> Precision:
     """fp32; under bf16, ZeRO's bf16 module and FSDP's mixed-precision policy (when it
     shards) compute on bf16 weights, the others autocast over fp32 weights."""
+    if w.element_bytes == 2 * FP32_BYTES:
+        return FP64
     if w.element_bytes == FP32_BYTES:
         return FP32
     sharded_by_fsdp = layout.kind == "fsdp" and layout.data_parallel > 1

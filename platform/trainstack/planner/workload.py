@@ -37,6 +37,10 @@ class TransformerShape:
     """The MLP's inner width (0: 4h)."""
 
 
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp64": 8}
+"""`train.precision` -> bytes of a training-dtype element."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Workload:
     """One optimizer step of a job, in the numbers the cost model takes."""
@@ -50,10 +54,14 @@ class Workload:
     tokens_per_sample: int
     """Tokens a sample trains on (`model.block_size` for `task.kind: lm`, else 1)."""
     element_bytes: int
-    """Bytes of a training-dtype element: 4 in fp32, 2 in bf16 (activations, ZeRO's
-    parameters and gradients, FSDP's gathered parameters)."""
+    """Bytes of a training-dtype element: 4 in fp32, 2 in bf16, 8 in fp64 (activations,
+    ZeRO's parameters and gradients, FSDP's gathered parameters)."""
     optimizer_bytes: int
-    """fp32 optimizer state per parameter: AdamW 8, SGD with momentum 4, without 0."""
+    """Optimizer state per parameter: AdamW 8, SGD with momentum 4, without 0 (twice as
+    much in fp64)."""
+    weight_bytes: int = 4
+    """Bytes of a weight (and its gradient) the torch engines keep: 4 (bf16 autocasts over
+    fp32 weights), 8 in fp64."""
     dropout: bool
     """Whether dropout masks are kept (1 byte an element in the activation formulas)."""
     model: str
@@ -65,8 +73,9 @@ def workload_from_spec(cfg: JobConfig) -> Workload:
     m = cfg.model
     params = parameter_count(cfg)
     shape = transformer_shape(cfg)
+    weight_bytes = 2 * FP32_BYTES if cfg.train.precision == "fp64" else FP32_BYTES
     optimizer = (
-        2 * FP32_BYTES if cfg.optim.kind == "adamw" else FP32_BYTES * (cfg.optim.momentum > 0)
+        2 * weight_bytes if cfg.optim.kind == "adamw" else weight_bytes * (cfg.optim.momentum > 0)
     )
     name = f"model.kind={m.kind}"
     if shape is not None:
@@ -76,8 +85,9 @@ def workload_from_spec(cfg: JobConfig) -> Workload:
         shape=shape,
         global_batch=cfg.train.global_batch_size,
         tokens_per_sample=m.block_size if cfg.task.kind == "lm" else 1,
-        element_bytes=FP32_BYTES if cfg.train.precision == "fp32" else 2,
+        element_bytes=ELEMENT_BYTES[cfg.train.precision],
         optimizer_bytes=optimizer,
+        weight_bytes=weight_bytes,
         dropout=m.dropout > 0,
         model=name,
     )

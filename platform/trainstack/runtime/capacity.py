@@ -74,12 +74,13 @@ def model_state(cfg: JobConfig, params: int) -> ModelState:
 
     fp32 weights and gradients (bf16 is autocast over fp32 weights), and the optimizer's
     fp32 state: AdamW two moments (8 bytes a parameter), SGD its momentum (4, none
-    without momentum). ZeRO shards over the N workers as in the README's ZeRO table
-    (DeepSpeed 0.19.8's allocations): training-dtype (e bytes) parameters (stage 3: /N)
-    and gradients (stages 2, 3: /N), and an fp32 master copy plus the optimizer state
-    /N. fsdp holds 1/(s × t) of fp32 weights, gradients and optimizer state (the shard
-    degree s = N / (r × t), tensor parallelism t; the few replicated norms not counted),
-    all of it on the host with offload. A pipeline rank holds 1/stages of the model (an
+    without momentum); all of it twice that in fp64 (ddp, fsdp, pipelines). ZeRO shards
+    over the N workers as in the README's ZeRO table (DeepSpeed 0.19.8's allocations):
+    training-dtype (e bytes) parameters (stage 3: /N) and gradients (stages 2, 3: /N),
+    and an fp32 master copy plus the optimizer state /N. fsdp holds 1/(s × t) of fp32
+    weights, gradients and optimizer state (the shard degree s = N / (r × t), tensor
+    parallelism t; the few replicated norms not counted), all of it on the host with
+    offload. A pipeline rank holds 1/stages of the model (an
     even split); a parameter-server worker holds weights and gradients, and its shards
     the weights and optimizer state.
     """
@@ -109,6 +110,8 @@ def model_state(cfg: JobConfig, params: int) -> ModelState:
         per_worker = (2 * FP32_BYTES + o) * params
         if s.kind == "pipeline":
             per_worker //= s.stages
+    if cfg.train.precision == "fp64":  # float64 weights, gradients and state: twice fp32's
+        per_worker, offloaded = 2 * per_worker, 2 * offloaded
     what = "parameters and gradients"
     if o and s.kind != "ps":
         what = f"parameters, gradients and {optim} state"

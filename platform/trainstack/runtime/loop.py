@@ -33,7 +33,7 @@ from trainstack.models.flops import flops_per_token as training_flops_per_token
 from trainstack.runtime.faults import FaultInjector
 from trainstack.storage import Location
 from trainstack.strategies import Strategy, WorkerContext, build_strategy
-from trainstack.strategies.base import ReportsLayout, StepOutput
+from trainstack.strategies.base import ReportsLayout, StepOutput, weight_dtype
 from trainstack.tasks import build_task
 from trainstack.telemetry import RunTelemetry
 
@@ -146,7 +146,7 @@ def train(
     shapes = ckpt.parameter_shapes(model)
 
     strategy = build_strategy(cfg, ctx)
-    strategy.setup(model)
+    strategy.setup(model.to(weight_dtype(cfg)))
     checkpoints = run_dir if checkpoints is None else checkpoints
     restored, notes = _restore(cfg, ctx, strategy, checkpoints=checkpoints, resume_from=resume_from)
     start_step = restored.step if restored else 0

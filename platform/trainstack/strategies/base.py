@@ -114,11 +114,22 @@ def ring_allreduce_bytes(numel: int, *, element_size: int, world_size: int) -> i
     return 2 * (world_size - 1) * numel * element_size // world_size
 
 
-def to_device(batch: Batch, device: torch.device, *, pin_memory: bool) -> Batch:
-    """A batch's inputs and targets on `device`. On a GPU with `train.pin_memory` they
-    go through page-locked host memory and are copied without blocking the host, which
-    moves on to queue the forward while the copy runs."""
+def weight_dtype(cfg: JobConfig) -> torch.dtype:
+    """The dtype of the model's weights: float64 under `train.precision: fp64`, else
+    float32 (bf16 is autocast over fp32 weights)."""
+    return torch.float64 if cfg.train.precision == "fp64" else torch.float32
+
+
+def to_device(
+    batch: Batch, device: torch.device, *, pin_memory: bool, dtype: torch.dtype | None = None
+) -> Batch:
+    """A batch's inputs and targets on `device`, floating-point inputs in `dtype` when
+    given (the weights' dtype, `weight_dtype`). On a GPU with `train.pin_memory` they go through
+    page-locked host memory and are copied without blocking the host, which moves on to
+    queue the forward while the copy runs."""
     x, y = batch
+    if dtype is not None and x.is_floating_point() and x.dtype != dtype:
+        x = x.to(dtype)
     if device.type == "cuda" and pin_memory:
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(
             device, non_blocking=True

@@ -91,7 +91,12 @@ class DDPStrategy:
         accum = len(micro_batches)
         total = torch.zeros((), device=self.ctx.device)
         for i, (x, y) in enumerate(micro_batches):
-            x, y = to_device((x, y), self.ctx.device, pin_memory=self.cfg.train.pin_memory)
+            x, y = to_device(
+                (x, y),
+                self.ctx.device,
+                pin_memory=self.cfg.train.pin_memory,
+                dtype=self.task.input_dtype,
+            )
             last = i == accum - 1
             skip_sync = isinstance(self.model, DistributedDataParallel) and not last
             with self.model.no_sync() if skip_sync else contextlib.nullcontext():  # type: ignore[operator]

@@ -115,7 +115,9 @@ class FSDPStrategy:
             "mesh": meshes.fsdp,
             "reshard_after_forward": s.reshard_after_forward,
             "mp_policy": MixedPrecisionPolicy(
-                param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32
+                # bf16 compute reduces in fp32; otherwise in the weights' own dtype
+                param_dtype=torch.bfloat16 if bf16 else None,
+                reduce_dtype=torch.float32 if bf16 else None,
             ),
             "offload_policy": CPUOffloadPolicy(pin_memory=self.ctx.device.type == "cuda")
             if s.offload_param == "cpu"
@@ -161,7 +163,12 @@ class FSDPStrategy:
         accum = len(micro_batches)
         total = torch.zeros((), device=self.ctx.device)
         for i, (x, y) in enumerate(micro_batches):
-            x, y = to_device((x, y), self.ctx.device, pin_memory=self.cfg.train.pin_memory)
+            x, y = to_device(
+                (x, y),
+                self.ctx.device,
+                pin_memory=self.cfg.train.pin_memory,
+                dtype=self.task.input_dtype,
+            )
             if isinstance(self.model, FSDPModule):  # reduce gradients after the last only
                 self.model.set_requires_gradient_sync(i == accum - 1)
             with self._compute_context():

@@ -297,6 +297,7 @@ class PipelineStrategy:
             (torch.cat([b[0] for b in micro_batches]), torch.cat([b[1] for b in micro_batches])),
             self.ctx.device,
             pin_memory=self.cfg.train.pin_memory,
+            dtype=self.task.input_dtype,
         )
         args = (x,) if self.holds_first else ()
         losses: list[torch.Tensor] = []
@@ -362,11 +363,13 @@ class PipelineStrategy:
             p.grad for p in self._params() if p.grad is not None and id(p) not in self._uncounted
         ]
         if any(isinstance(g, DTensor) for g in counted):
-            squares = torch.tensor(squared_norm(counted), device=self.ctx.device)
+            squares = torch.tensor(
+                squared_norm(counted), dtype=torch.float64, device=self.ctx.device
+            )
         else:
-            squares = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+            squares = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
             for grad in counted:
-                squares += grad.float().pow(2).sum()
+                squares += grad.double().pow(2).sum()
         dist.all_reduce(squares, group=self.pp_group)
         norm = squares.sqrt()
         if self.cfg.optim.grad_clip:

@@ -149,7 +149,12 @@ class ZeROStrategy:
         lr = float(self.scheduler.get_last_lr()[0])
         total = torch.zeros((), device=self.ctx.device)
         for x, y in micro_batches:
-            x, y = to_device((x, y), self.ctx.device, pin_memory=self.cfg.train.pin_memory)
+            x, y = to_device(
+                (x, y),
+                self.ctx.device,
+                pin_memory=self.cfg.train.pin_memory,
+                dtype=self.task.input_dtype,
+            )
             loss = self.task.loss(engine(x), y, inputs=x)
             engine.backward(loss)  # scales by 1/accum; reduces (stage 2, 3) or accumulates
             self._peak_grad_bytes = max(self._peak_grad_bytes, self._held_grad_bytes())
