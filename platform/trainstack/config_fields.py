@@ -142,6 +142,8 @@ def _to_float(value: object, *, key: str) -> float:
 
 def _to_tuple(value: object, item_hints: tuple[Any, ...], *, key: str) -> tuple[object, ...]:
     if len(item_hints) == 2 and item_hints[1] is Ellipsis:  # tuple[T, ...]: any length
+        if item_hints[0] is str and isinstance(value, str):  # one path, glob or name
+            return (value,)
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {got(value)}")
         return tuple(coerce(item, item_hints[0], key=f"{key}[{i}]") for i, item in enumerate(value))

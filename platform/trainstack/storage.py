@@ -268,7 +268,24 @@ def with_env_credentials(location: StorePath, options: Mapping[str, Any]) -> paf
     if location.scheme != "s3" or not all(keys):
         return location.fs
     token = os.environ.get("AWS_SESSION_TOKEN")
-    return pafs.S3FileSystem(**options, access_key=keys[0], secret_key=keys[1], session_token=token)
+    return pafs.S3FileSystem(
+        **s3_options(options), access_key=keys[0], secret_key=keys[1], session_token=token
+    )
+
+
+def s3_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """`checkpoint.storage_options` for pyarrow's S3 filesystem, with the endpoint of an
+    S3-compatible store (MinIO, Ceph, a local server) taken from the environment as boto3
+    and the AWS CLI take it (`AWS_ENDPOINT_URL_S3`, else `AWS_ENDPOINT_URL`) when the
+    options name none: an explicit `endpoint_override` wins."""
+    merged = dict(options)
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint and "endpoint_override" not in merged:
+        merged["endpoint_override"] = endpoint
+        scheme = scheme_of(endpoint)
+        if scheme in ("http", "https"):
+            merged.setdefault("scheme", scheme)
+    return merged
 
 
 def filesystem(uri: str, options: Mapping[str, Any], *, key: str) -> tuple[pafs.FileSystem, str]:
@@ -289,7 +306,7 @@ def filesystem(uri: str, options: Mapping[str, Any], *, key: str) -> tuple[pafs.
         )
     try:
         if scheme == "s3":
-            return pafs.S3FileSystem(**options), path
+            return pafs.S3FileSystem(**s3_options(options)), path
         if scheme in ("gs", "gcs"):
             return pafs.GcsFileSystem(**options), path
         fs, fs_path = pafs.FileSystem.from_uri(uri)

@@ -191,10 +191,16 @@ def ray_connected() -> bool:
 
 
 def actor_was_restarted() -> bool:
-    """Whether the Ray actor running this code is a restart after a failure."""
+    """Whether the Ray actor running this code is a restart after a failure: its restart
+    count in the GCS, looked up by `get_actor_id()`. (`RuntimeContext.
+    was_current_actor_reconstructed` reads the same through the `actor_id` accessor Ray
+    2.60 deprecates, and warns in the job's log each time.)"""
     import ray
+    from ray._private.state import actors
 
-    return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    actor_id = ray.get_runtime_context().get_actor_id()
+    info: dict[str, Any] | None = actors(actor_id=actor_id) if actor_id else None
+    return bool(info) and info is not None and info["NumRestarts"] != 0
 
 
 def _instrument(series: Series) -> Any:

@@ -34,6 +34,30 @@ def test_globs_become_sorted_absolute_files_each_once(
     assert cfg.data.prepared_dir == str(tmp_path / "runs" / "prepared")
 
 
+def test_one_path_or_glob_stands_for_a_one_element_list(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`data.train: corpus.bin` as a user writes it, in YAML and with --set."""
+    from trainstack.config import load_config
+
+    for name in ("corpus.bin", "held-1.bin", "held-2.bin"):
+        (tmp_path / name).write_bytes(b"x")
+    monkeypatch.chdir(tmp_path)
+    spec = tmp_path / "job.yaml"
+    spec.write_text(
+        "data:\n  kind: tokens\n  train: corpus.bin\n  val: held-*.bin\n  eval_samples: 0\n"
+        "checkpoint:\n  storage_path: runs\n"
+    )
+    cfg = load_config(str(spec))
+    assert cfg.data.train == ("corpus.bin",) and cfg.data.val == ("held-*.bin",)
+    resolved = resolve_data(cfg)
+    assert resolved.data.train == (str(tmp_path / "corpus.bin"),)
+    assert resolved.data.val == (str(tmp_path / "held-1.bin"), str(tmp_path / "held-2.bin"))
+    assert load_config(str(spec), ["data.train=held-1.bin"]).data.train == ("held-1.bin",)
+    with pytest.raises(ConfigError, match=r"^data\.train: expected a list, got 3 \(int\)"):
+        load_config(str(spec), ["data.train=3"])
+
+
 def test_a_pattern_that_matches_nothing_is_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -202,6 +202,26 @@ def test_preflight_probes_the_bucket_and_leaves_nothing_behind(
     assert "\n" not in str(missing.value)
 
 
+def test_the_endpoint_may_come_from_the_environment_as_boto3_reads_it(
+    store: dict[str, Any], bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`AWS_ENDPOINT_URL` (or `AWS_ENDPOINT_URL_S3`, which wins) names an S3-compatible
+    store when the spec gives no `endpoint_override`; an explicit one wins over both; the
+    workers get the variable in their runtime env."""
+    from trainstack.runtime.launcher import worker_env
+
+    endpoint = store["endpoint_override"]
+    dead = "http://127.0.0.1:9"  # the discard port: nothing answers S3 there
+    bare = config_from_dict(spec(f"s3://{bucket}/runs", {}))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    check_storage(bare)  # without the variable: BUCKET.s3.us-east-1.amazonaws.com
+    assert worker_env(bare)["AWS_ENDPOINT_URL"] == endpoint
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", dead)
+    with pytest.raises(ConfigError, match="cannot write there"):
+        check_storage(bare)
+    check_storage(config_from_dict(spec(f"s3://{bucket}/runs", store)))  # explicit option
+
+
 @pytest.mark.parametrize(
     ("checkpoint", "says"),
     [
