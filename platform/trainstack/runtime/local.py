@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import socket
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +35,12 @@ PRELOADED_STRATEGIES = (
 """Strategy modules the fork server imports (a job imports only its own one)."""
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def rendezvous(folder: Path) -> str:
+    """A `torch.distributed` init method for processes on this machine: a new file store
+    in `folder` (no port to choose, so none another process can take first; gloo's own
+    connections bind port 0 and exchange their addresses through the store)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    return f"file://{folder / f'rendezvous-{uuid.uuid4().hex}'}"
 
 
 def run_processes(
@@ -65,7 +67,8 @@ def run_processes(
         shapes=report.shapes,
         data_fingerprint=report.data_fingerprint,
     )
-    args = (config_to_dict(cfg), world_size, free_port(), str(out_dir), resume_from)
+    init_method = rendezvous(out_dir / ".rendezvous")
+    args = (config_to_dict(cfg), world_size, init_method, str(out_dir), resume_from)
     if world_size == 1 and not cfg.faults.kill_at_steps and not cfg.faults.random_kills:
         _worker(0, *args)  # in-process: no start-up cost for single-process references
     else:
@@ -81,15 +84,13 @@ def _worker(
     rank: int,
     spec: dict[str, Any],
     world_size: int,
-    port: int,
+    init_method: str,
     out_dir: str,
     resume_from: Path | None,
 ) -> None:
     distributed = world_size > 1
     if distributed:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-        )
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     try:
         cfg = config_from_dict(spec)
         out = Path(out_dir)

@@ -32,6 +32,7 @@ from trainstack.strategies.base import (
     storage_bytes,
     tensors_in,
     to_device,
+    weight_dtype,
 )
 from trainstack.strategies.named_optimizer_state import (
     named_parameters,
@@ -153,7 +154,8 @@ class DDPStrategy:
             return self.compression.stats.wire_bytes(self.ctx.world_size)
         params = [p for p in self.unwrapped_model().parameters() if p.requires_grad]
         numel = sum(p.numel() for p in params)
-        return ring_allreduce_bytes(numel, element_size=4, world_size=self.ctx.world_size)
+        element = weight_dtype(self.cfg).itemsize  # gradients travel in the weights' dtype
+        return ring_allreduce_bytes(numel, element_size=element, world_size=self.ctx.world_size)
 
     def layout_notes(self) -> list[str]:
         """How gradients travel, when compressed."""

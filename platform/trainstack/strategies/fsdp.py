@@ -53,6 +53,7 @@ from trainstack.strategies.base import (
     storage_bytes,
     tensors_in,
     to_device,
+    weight_dtype,
 )
 from trainstack.strategies.comm_count import CollectiveBytes
 from trainstack.strategies.dtensor_state import local_part
@@ -225,14 +226,15 @@ class FSDPStrategy:
         """`comm_bytes_per_step` before a step has been counted (ring collectives)."""
         layout, cfg = self.layout, self.cfg
         s, r, t = layout.dp_shard, layout.dp_replicate, layout.tp
-        param_bytes = self._tp_local_numel * 4
+        element = weight_dtype(cfg).itemsize
+        param_bytes = self._tp_local_numel * element
         gathers = 2 if cfg.strategy.reshard_after_forward else 1
         fsdp = (gathers + 1) * (s - 1) * param_bytes // s
         hsdp = 2 * (r - 1) * param_bytes // (s * r)
         tp = 0
         if t > 1 and cfg.model.kind == "gpt":
             stream = cfg.train.global_batch_size // layout.data_parallel
-            activation = stream * cfg.model.block_size * cfg.model.n_embd * 4
+            activation = stream * cfg.model.block_size * cfg.model.n_embd * element
             tp = 8 * cfg.model.n_layer * (t - 1) * activation // t
         return fsdp + hsdp + tp
 

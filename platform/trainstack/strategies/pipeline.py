@@ -72,6 +72,7 @@ from trainstack.strategies.base import (
     storage_bytes,
     tensors_in,
     to_device,
+    weight_dtype,
 )
 from trainstack.strategies.dtensor_state import (
     load_whole,
@@ -438,9 +439,10 @@ class PipelineStrategy:
             if s > 0 and self.owners[s - 1] != self.pp_rank:
                 activations += self.boundaries[s].input_grad_bytes
         numel = sum(local_part(p).numel() for p in self._params())
-        replicas = ring_allreduce_bytes(numel, element_size=4, world_size=self.dp_size)
+        element = weight_dtype(self.cfg).itemsize  # gradients travel in the weights' dtype
+        replicas = ring_allreduce_bytes(numel, element_size=element, world_size=self.dp_size)
         tied = sum(
-            ring_allreduce_bytes(local.tie.numel, element_size=4, world_size=len(local.ranks))
+            ring_allreduce_bytes(local.tie.numel, element_size=element, world_size=len(local.ranks))
             for local in self.ties
         )
         return self.cfg.strategy.microbatches * activations + replicas + tied
