@@ -11,7 +11,7 @@ STAMP := $(VENV)/.trainstack-installed
 # pip's notes about unreadable local index folders are noise here.
 QUIET_PIP := { grep -v '^WARNING: Location' || true; }
 
-.PHONY: venv demo demo-stdlib test lint clean browser grafana
+.PHONY: venv demo demo-stdlib test test-fast lint clean browser grafana
 
 venv: $(STAMP)
 
@@ -52,16 +52,26 @@ browser:
 	        apt-get install -y -q --no-install-recommends chromium chromium-driver >/dev/null 2>&1; }; }; } || \
 	  echo "make: no chromium/chromedriver here: the dashboard browser test will skip"
 
-# mypy (about 45 s from a cold cache) checks types beside the unit tests, which need no
-# Ray and little CPU; then the rest of the suite runs alone.
+# Lint, then mypy (about 45 s from a cold cache) beside the unit tests, which need no Ray
+# and run on every core (pytest-xdist); then the rest of the suite, whose tests start
+# processes and clusters of their own, one at a time.
+UNIT := mkdir -p .cache; $(VENV)/bin/mypy platform/trainstack > .cache/mypy.log 2>&1 & typing=$$!; \
+	  unit=0; $(PY) -m pytest tests/unit -n auto || unit=$$?; \
+	  typed=0; wait $$typing || typed=$$?; cat .cache/mypy.log; \
+	  test $$unit -eq 0 && test $$typed -eq 0
+
 test: $(STAMP) browser
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
-	mkdir -p .cache; $(VENV)/bin/mypy platform/trainstack > .cache/mypy.log 2>&1 & typing=$$!; \
-	  unit=0; $(PY) -m pytest tests/unit || unit=$$?; \
-	  typed=0; wait $$typing || typed=$$?; cat .cache/mypy.log; \
-	  test $$unit -eq 0 && test $$typed -eq 0
+	$(UNIT)
 	$(PY) -m pytest tests --ignore=tests/unit
+
+# The inner loop (about 4 minutes): lint, types, unit and the gloo-process layer.
+test-fast: $(STAMP)
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
+	$(UNIT)
+	$(PY) -m pytest tests/dist
 
 # trainstack's Grafana dashboard into the newest Ray session's provisioning (ray start first).
 grafana: $(STAMP)

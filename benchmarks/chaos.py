@@ -43,13 +43,14 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 
 import ray  # noqa: E402
 import torch  # noqa: E402
-from multinode import FAST_FAILURE_DETECTION, WORKER_NODE, SimulatedCluster  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from trainstack import checkpoint as ckpt  # noqa: E402
 from trainstack.config import config_from_dict  # noqa: E402
 from trainstack.runtime.launcher import RunFailedError, run_job  # noqa: E402
-from trainstack.runtime.local import free_port, run_processes  # noqa: E402
+from trainstack.runtime.local import run_processes  # noqa: E402
+
+from multinode import FAST_FAILURE_DETECTION, WORKER_NODE, SimulatedCluster  # noqa: E402
 
 STRATEGIES: dict[str, dict[str, Any]] = {
     "ddp": {"kind": "ddp"},
@@ -182,9 +183,9 @@ def outage_row(sim: SimulatedCluster, root: Path) -> dict[str, Any]:
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         os.environ[key] = "testing"
     os.environ["AWS_DEFAULT_REGION"] = "us-east-1"
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
+    port = server.get_host_and_port()[1]  # the store comes back on the same port
     endpoint = f"http://127.0.0.1:{port}"
     boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="chaos")
     sim.workers(2)

@@ -31,7 +31,7 @@ from trainstack.data import build_corpus
 from trainstack.data.sharding import DataCursor, ShardedBatches
 from trainstack.models import build_model
 from trainstack.optim import build_optimizer, build_scheduler
-from trainstack.runtime.local import free_port
+from trainstack.runtime.local import rendezvous
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -43,14 +43,12 @@ ROOT = Path(__file__).resolve().parents[1]
 WARMUP = 3
 
 
-def plain_worker(rank: int, spec: dict[str, Any], world: int, port: int, out: str) -> None:
+def plain_worker(rank: int, spec: dict[str, Any], world: int, init_method: str, out: str) -> None:
     """A hand-written DDP loop: what an engineer would write without a platform."""
     start = time.perf_counter()
     cfg = config_from_dict(spec)
     torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.train.seed)
     ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.strategy.bucket_cap_mb)
     optimizer = build_optimizer(model, cfg.optim, lr=cfg.optim.lr)
@@ -88,7 +86,10 @@ def plain_worker(rank: int, spec: dict[str, Any], world: int, port: int, out: st
 def run_plain(cfg: JobConfig, out: Path) -> dict[str, float]:
     wall = time.perf_counter()
     world = cfg.scaling.num_workers
-    mp.spawn(plain_worker, args=(config_to_dict(cfg), world, free_port(), str(out)), nprocs=world)
+    rendezvous_file = rendezvous(out.parent / ".rendezvous")
+    mp.spawn(
+        plain_worker, args=(config_to_dict(cfg), world, rendezvous_file, str(out)), nprocs=world
+    )
     data = json.loads(out.read_text())
     steady = data["times"][WARMUP:]
     tokens = cfg.train.global_batch_size * cfg.model.block_size

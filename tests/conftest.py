@@ -10,6 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# Property tests draw the same examples on every run and machine (a failure reproduces
+# anywhere), with no per-example deadline (a wall-clock bound a slow CI machine fails).
+# HYPOTHESIS_PROFILE=explore draws fresh ones, for a hunt for new counterexamples.
+settings.register_profile("suite", derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("explore", deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
 
 EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")
 

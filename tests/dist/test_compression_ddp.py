@@ -28,7 +28,7 @@ from trainstack.compression.lowrank import initial_q, low_rank_shape, orthonorma
 from trainstack.compression.sparsify import sparse_k
 from trainstack.config import CompressionConfig, ModelConfig, OptimConfig
 from trainstack.models import build_model
-from trainstack.runtime.local import free_port
+from trainstack.runtime.local import rendezvous
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -215,10 +215,8 @@ def train(
     return out
 
 
-def worker(rank: int, port: int, out_dir: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
-    )
+def worker(rank: int, init_method: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD)
     torch.set_num_threads(1)
     torch.manual_seed(rank)  # anything drawn from the global RNG would differ per rank
     results = {}
@@ -242,7 +240,7 @@ def worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("compression")
-    mp.spawn(worker, args=(free_port(), str(out)), nprocs=WORLD)
+    mp.spawn(worker, args=(rendezvous(out), str(out)), nprocs=WORLD)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from trainstack.config import ModelConfig, config_from_dict
 from trainstack.models import build_model
 from trainstack.models.gpt import GPT
-from trainstack.runtime.local import free_port
+from trainstack.runtime.local import rendezvous
 from trainstack.strategies.tensor_parallel import apply_tensor_parallel
 
 from user_model_specs import MODELS
@@ -56,8 +56,8 @@ def build(kind: str) -> torch.nn.Module:
     return build_model(job.model, vocab_size=8, seed=0)
 
 
-def worker(rank: int, port: int, out: str, kind: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def worker(rank: int, init_method: str, out: str, kind: str) -> None:
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
     torch.manual_seed(0)
     model = build(kind)
     apply_tensor_parallel(model, init_device_mesh("cpu", (2,)), loss_parallel=True)
@@ -75,7 +75,7 @@ def test_sequence_parallel_blocks_issue_two_all_gathers_and_two_reduce_scatters(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "counts.json"
-    mp.spawn(worker, args=(free_port(), str(out), "gpt"), nprocs=2)
+    mp.spawn(worker, args=(rendezvous(tmp_path), str(out), "gpt"), nprocs=2)
     counts = json.loads(out.read_text())
     assert counts["forward"] == {
         "all_gather": 2 * LAYERS + 1,  # + the LM head's input
@@ -92,7 +92,7 @@ def test_llama_layers_without_sequence_parallelism_issue_two_all_reduces(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "counts.json"
-    mp.spawn(worker, args=(free_port(), str(out), "llama"), nprocs=2)
+    mp.spawn(worker, args=(rendezvous(tmp_path), str(out), "llama"), nprocs=2)
     counts = json.loads(out.read_text())
     assert counts["forward"] == {
         "all_gather": 0,

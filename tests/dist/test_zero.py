@@ -18,6 +18,8 @@ from trainstack.planner.memory import model_state_bytes
 from trainstack.runtime.local import run_processes
 from trainstack.strategies.zero import deepspeed_config
 
+from bounds import assert_trained, float32_sensitivity, max_difference, sensitivity_bound
+
 STEPS = 20
 REPO = Path(__file__).resolve().parents[2]
 
@@ -113,21 +115,30 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     return out
 
 
+@pytest.fixture(scope="module")
+def reference(
+    runs: dict[str, Run], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[dict[str, torch.Tensor], float]:
+    """The spec trained by one process (float32), and its own float32 sensitivity."""
+    weights, sensitivity = float32_sensitivity(runs["ddp"].raw, tmp_path_factory.mktemp("ref"))
+    assert_trained(weights, runs["ddp"].raw)
+    return weights, sensitivity
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_stage_matches_ddp_after_20_steps(runs: dict[str, Run], stage: int) -> None:
-    reference, zero = runs["ddp"].weights, runs[f"zero{stage}"].weights
-    assert zero.keys() == reference.keys()
-    diff = max((zero[n] - reference[n]).abs().max().item() for n in reference)
-    print(f"stage {stage}: max |zero - ddp| = {diff:.3g}")
-    # Reducing per micro-batch (stages 2, 3) sums in another order than DDP; Adam turns
-    # those last-bit differences into ~1e-7 after one step. Measured at lr 3e-3: 1.2e-7
-    # for each stage (at lr 1e-2 stage 3 reached 1.2e-5: Adam's normalised step blows up
-    # round-off in weights whose gradient is near zero).
-    assert diff <= 1e-5
-    cfg = config_from_dict(runs["ddp"].raw)
-    initial = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.train.seed)
-    moved = max((reference[n] - v).abs().max().item() for n, v in initial.state_dict().items())
-    assert moved > 1e-2, "training did not change the weights: the comparison proves nothing"
+def test_zero_stage_matches_ddp_after_20_steps(
+    runs: dict[str, Run], reference: tuple[dict[str, torch.Tensor], float], stage: int
+) -> None:
+    """DeepSpeed trains in float32 only: each stage lands within a multiple of the one-
+    process reference's own float32 sensitivity (reducing per micro-batch, stages 2 and 3
+    sum in another order; Adam's normalised step turns last-bit differences into ~1e-7
+    here, 1e-5 on another CPU). A dropped optimizer partition or a gradient reduced over
+    one rank lands 1e-3 or more away."""
+    weights, sensitivity = reference
+    bound = sensitivity_bound(sensitivity)
+    diff = max_difference(runs[f"zero{stage}"].weights, weights)
+    print(f"stage {stage}: max |zero - one process| = {diff:.3g} (bound {bound:.3g})")
+    assert diff < bound
     ddp_losses, zero_losses = (
         logged(runs["ddp"].out, "loss"),
         logged(runs[f"zero{stage}"].out, "loss"),

@@ -173,7 +173,8 @@ def test_pruning_keeps_the_only_valid_checkpoint_behind_newer_incomplete_ones(
     (tmp_path / ckpt.dir_name(20)).mkdir()  # a save in progress: no manifest yet
     ckpt.prune(tmp_path, keep=1)
     assert steps_left(tmp_path) == [20, 15, 10]
-    assert ckpt.find_start(tmp_path, resume_from=None, on_corrupt="fail", warn=print) is not None
+    start = ckpt.find_start(tmp_path, resume_from=None, on_corrupt="fail", warn=print)
+    assert start is not None and start.step == 10  # past the cut-off 15 and unfinished 20
 
 
 def test_pruning_keeps_the_newest_valid_ones_and_drops_older_cut_off_saves(

@@ -62,6 +62,23 @@ def test_two_state_chain_entropy_rate_matches_hand_computation() -> None:
     assert chain.entropy_rate == pytest.approx(pi[0] * h_row0 + pi[1] * math.log(2), abs=1e-12)
 
 
+def test_a_context_blind_model_scores_the_entropy_of_one_tokens_marginal() -> None:
+    """The bar the suite's loss bounds sit under: a model that ignores the context."""
+    two_state = MarkovCorpus.from_transitions(np.array([[0.9, 0.1], [0.5, 0.5]]), order=1)
+    blind = -(5 / 6 * math.log(5 / 6) + 1 / 6 * math.log(1 / 6))  # pi = (5/6, 1/6)
+    assert two_state.context_blind_loss() == pytest.approx(blind, abs=1e-12)
+    assert two_state.context_blind_loss() > two_state.entropy_rate  # context helps here
+    V = 5
+    cycle = MarkovCorpus.from_transitions(np.roll(np.eye(V), 1, axis=1), order=1)
+    assert cycle.context_blind_loss() == pytest.approx(math.log(V), abs=1e-12)
+    suite = MarkovCorpus(vocab_size=16, order=1, concentration=0.1, seed=1234)
+    assert suite.context_blind_loss() == pytest.approx(2.4241, abs=1e-4)
+    order2 = MarkovCorpus(vocab_size=6, order=2, concentration=0.3, seed=0)
+    tokens = order2.samples(0, 4000, 8).flatten().numpy()
+    freq = np.bincount(tokens, minlength=6) / tokens.size  # the marginal, sampled
+    assert order2.context_blind_loss() == pytest.approx(-(freq * np.log(freq)).sum(), abs=0.01)
+
+
 def test_near_zero_concentration_gives_near_zero_entropy() -> None:
     chain = MarkovCorpus(vocab_size=8, order=1, concentration=1e-4, seed=0)
     assert 0.0 <= chain.entropy_rate < 0.01
