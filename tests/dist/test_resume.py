@@ -151,3 +151,32 @@ def test_a_run_with_another_model_refuses_the_old_checkpoints(tmp_path: Path) ->
     )
     with pytest.raises(ckpt.CheckpointError, match=differs):
         run_processes(config_from_dict(raw), world_size=1, out_dir=tmp_path / "again")
+
+
+def test_resume_is_refused_when_the_data_changed_unless_allowed(tmp_path: Path) -> None:
+    """A token file rewritten under the same name between a killed run and its rerun:
+    the checkpoint's data fingerprint no longer matches, so the rerun stops with one
+    line naming both fingerprints and the override; `data.allow_changed` resumes."""
+    import numpy as np
+
+    corpus = tmp_path / "corpus.bin"
+    corpus.write_bytes(np.random.default_rng(0).integers(0, 16, 20_000, np.uint16).tobytes())
+    raw = spec(tmp_path, workers=1, micro=8)
+    raw["data"] = {"kind": "tokens", "train": str(corpus), "vocab_size": 16, "eval_samples": 0}
+    raw["faults"] = {"kill_at_steps": [13], "rank": 0}
+    cfg = config_from_dict(raw)
+    with pytest.raises(Exception, match="exit code 17"):
+        run_processes(cfg, world_size=1, out_dir=tmp_path / "out")
+    saved = ckpt.resolve(ckpt.run_dir_for(cfg)).manifest["data"]["fingerprint"]
+
+    corpus.write_bytes(np.random.default_rng(1).integers(0, 16, 20_000, np.uint16).tobytes())
+    with pytest.raises(ckpt.CheckpointError) as refused:
+        run_processes(cfg, world_size=1, out_dir=tmp_path / "out")
+    message = str(refused.value)
+    assert "was trained on other data" in message and "\n" not in message
+    assert f"fingerprint {saved[:12]} in the checkpoint" in message
+    assert "--set data.allow_changed=true" in message
+
+    allowed = config_from_dict({**raw, "data": {**raw["data"], "allow_changed": True}})
+    summary = run_processes(allowed, world_size=1, out_dir=tmp_path / "out")
+    assert summary["resumed_from_step"] == 10 and summary["steps"] == 20

@@ -109,6 +109,17 @@ def fit_to_group(cfg: JobConfig, world_size: int) -> tuple[JobConfig, str | None
     )
 
 
+def _probe_sample(cfg: JobConfig, corpus: Source) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sample to count the model's FLOPs on: the first held-out one, else (no
+    evaluation, no held-out data) the first training one. A Ray Data shard's held-out
+    rows always hold one (a training row when the run has no held-out data)."""
+    if cfg.data.eval_samples > 0 or isinstance(corpus, RaySource):
+        return eval_batches(
+            corpus, count=1, seq_len=cfg.model.block_size, micro_batch_size=1, rank=0, world_size=1
+        )[0]
+    return corpus.train_batch(0, 1, seq_len=cfg.model.block_size)
+
+
 def train(
     cfg: JobConfig,
     ctx: WorkerContext,
@@ -138,10 +149,7 @@ def train(
     task = build_task(cfg)
     seq_len = cfg.model.block_size
     model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.train.seed)
-    probe = eval_batches(
-        corpus, count=1, seq_len=seq_len, micro_batch_size=1, rank=0, world_size=1
-    )[0]
-    flops_per_token = training_flops_per_token(model, probe, task=task)
+    flops_per_token = training_flops_per_token(model, _probe_sample(cfg, corpus), task=task)
     params = num_params(model)
     shapes = ckpt.parameter_shapes(model)
 
