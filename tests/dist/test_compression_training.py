@@ -34,6 +34,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "topk-dgc": {"kind": "topk", "ratio": 0.01, "momentum_correction": True, "warmup_steps": 16},
     # killed after moving to top-k 1% at step 10 on a modelled 50 Mbit/s link
     "auto": {"kind": "auto", "ratio": 0.01, "auto_link_gbit": 0.05},
+    # the link timed, not given
+    "auto-measured": {"kind": "auto", "ratio": 0.01},
 }
 
 
@@ -103,3 +105,27 @@ def test_killed_worker_resumes_compressed_training_bitwise(kind: str, tmp_path: 
         moves = [e for e in events(tmp_path / "b") if e.get("event") == "compression"]
         assert [(e["step"], e["ratio"]) for e in moves] == [(10, 0.01)]
         assert moves[0]["reason"].startswith("top-k 0.01: modelled step")
+
+
+def test_auto_times_the_link_it_runs_on_and_decides_by_it(tmp_path: Path) -> None:
+    """`kind: auto` with no link given: the ranks time all-reduces after step 5 and fit
+    the link; the summary reports that measured link, and any move's reason names it.
+    Given `auto_link_gbit`, the link is the spec's and nothing is timed."""
+    measured = run_processes(
+        config_from_dict(spec(tmp_path / "m", "auto-measured", steps=12)),
+        world_size=2,
+        out_dir=tmp_path / "m",
+    )
+    link = measured["compression_link"]
+    assert link is not None and link["measured"], link  # None: no probe ran
+    assert link["bytes_per_s"] > 0 and link["latency_s"] >= 0
+    for move in (e for e in events(tmp_path / "m") if e.get("event") == "compression"):
+        assert link["description"] in move["reason"] or move["step"] <= 5, move
+
+    modelled = run_processes(
+        config_from_dict(spec(tmp_path / "a", "auto", steps=12)),
+        world_size=2,
+        out_dir=tmp_path / "a",
+    )
+    assumed = modelled["compression_link"]
+    assert not assumed["measured"] and assumed["bytes_per_s"] == 0.05e9 / 8

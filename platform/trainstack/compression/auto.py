@@ -150,6 +150,20 @@ class AdaptiveRatio:
     def ratio(self) -> float:
         return self.state.ratio
 
+    def link_figures(self) -> dict[str, Any] | None:
+        """The link the controller models, for the run's summary: its bandwidth and
+        latency, and whether they were measured (timed all-reduces) or given by the spec
+        (`compression.auto_link_gbit`); None before the first probe."""
+        link = self._link()
+        if link is None:
+            return None
+        return {
+            "bytes_per_s": link.bytes_per_s,
+            "latency_s": link.latency_s,
+            "measured": self.assumed_link is None,
+            "description": link.describe(),
+        }
+
     def wants_probe(self, step: int) -> bool:
         """Time the link after `step` (steps counted from 1)?"""
         if self.assumed_link is not None:

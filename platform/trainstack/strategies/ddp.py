@@ -170,15 +170,20 @@ class DDPStrategy:
         return [", ".join(parts)]
 
     def run_metrics(self) -> dict[str, Any]:
-        """Bytes over the whole run (warm-up included) and the run's compression ratio."""
+        """Bytes over the whole run (warm-up included) and the run's compression ratio;
+        under `kind: auto`, the link its controller modelled (`compression_link`)."""
         if self.compression is None or self.cfg.compression.kind == "none":
             return {}
         total, hook = self.compression.total, self.compression.hook
-        return {
+        metrics: dict[str, Any] = {
             "bytes_on_wire_run": total.bytes_sent,
             "compression_ratio_run": total.ratio,
             "codec_s_per_step": hook.codec_seconds_per_step if hook is not None else 0.0,
         }
+        adaptive = getattr(hook, "adaptive", None)
+        if adaptive is not None:
+            metrics["compression_link"] = adaptive.link_figures()
+        return metrics
 
     def checkpoint_files(self) -> dict[str, Any]:
         """Replicas are identical, so rank 0 writes the model and optimizer; compression
