@@ -36,6 +36,7 @@ LAYOUTS = {  # name: (workers, strategy)
     "ddp1": (1, {"kind": "ddp"}),
     "fsdp2": (2, {"kind": "fsdp"}),
     "fsdp4": (4, {"kind": "fsdp"}),
+    "fsdp2-offload": (2, {"kind": "fsdp", "offload_param": "cpu"}),  # FSDP2's CPU offload
     "tp2": (2, {"kind": "fsdp", "tensor_parallel": 2}),
     "tp2xdp2": (4, {"kind": "fsdp", "tensor_parallel": 2}),
     "hsdp2x2": (4, {"kind": "fsdp", "data_parallel_replicate": 2}),
@@ -160,6 +161,7 @@ def reference(runs: Runs) -> dict[str, torch.Tensor]:
     "layout",
     [
         "fsdp2",
+        "fsdp2-offload",
         "tp2",
         "tp2xdp2",
         "hsdp2x2",
@@ -201,6 +203,13 @@ def test_fsdp_counts_the_bytes_its_collectives_send(tmp_path: Path) -> None:
     psi = kept["params"]
     assert kept["comm_bytes_per_step"] == pytest.approx(4 * psi, rel=0.01)
     assert resharded["comm_bytes_per_step"] > 1.3 * kept["comm_bytes_per_step"]
+
+    # bf16 is FSDP's mixed-precision policy: parameters gathered in bf16 (2Ψ), gradients
+    # reduce-scattered in fp32 (4Ψ), (n - 1)/n of each: 3Ψ; the shards stay fp32.
+    bf16 = {"train": {**whole_batch["train"], "precision": "bf16"}}
+    _, mixed = train(tmp_path / "bf16", "fsdp2", **bf16, strategy=strategy)
+    assert mixed["comm_bytes_per_step"] == pytest.approx(3 * psi, rel=0.01)
+    assert mixed["model_state_bytes"]["params"] == pytest.approx(4 * psi / 2, rel=0.02)
 
 
 def test_fsdp_memory_per_rank_is_the_formulas_share(runs: Runs, tmp_path: Path) -> None:

@@ -145,3 +145,35 @@ def test_llama_resumes_bitwise_after_a_killed_worker(runs: dict[str, Run], tmp_p
     assert resumed.losses() == uninterrupted.losses()
     for name, value in uninterrupted.weights.items():
         assert torch.equal(resumed.weights[name], value), name
+
+
+def test_export_hf_dir_loads_in_transformers_with_the_trained_logits(
+    runs: dict[str, Run], tmp_path: Path
+) -> None:
+    """`trainstack export RUN --out model.pt --hf-dir DIR` of the trained Llama: the folder
+    `AutoModelForCausalLM.from_pretrained` loads gives the trained model's logits (not
+    the untrained one's)."""
+    from transformers import AutoModelForCausalLM
+
+    from trainstack.cli import main
+    from trainstack.models import build_model
+
+    run = runs["llama-ddp1"]
+    cfg = config_from_dict(run.raw)
+    final = ckpt.run_dir_for(cfg) / ckpt.dir_name(STEPS)
+    out, hf_dir = tmp_path / "model.pt", tmp_path / "hf"
+    assert main(["export", str(final), "--out", str(out), "--hf-dir", str(hf_dir)]) == 0
+
+    loaded = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    trained = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=0)
+    trained.load_state_dict(torch.load(out, weights_only=True))
+    untrained = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=0)
+    x = torch.randint(0, cfg.data.vocab_size, (2, cfg.model.block_size))
+
+    def logits(model: torch.nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            outputs = model.eval()(x)
+        return getattr(outputs, "logits", outputs)
+
+    assert torch.allclose(logits(loaded), logits(trained), atol=1e-6, rtol=0)
+    assert not torch.allclose(logits(loaded), logits(untrained), atol=1e-3, rtol=0)
