@@ -1,51 +1,50 @@
-"""The simulated multi-node cluster (`multinode.py`), one per test module."""
+"""The simulated multi-node cluster (`multinode.py`), one for every test in this folder.
+
+Each test brings the nodes it needs (`SimulatedCluster.workers`, `add_service_node`)
+and leaves no run behind; the cluster is shut down after the folder's last test, so
+the rest of the suite starts Ray on a quiet machine.
+"""
 
 from __future__ import annotations
 
-import random
-import socket
-from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import ray
-from multinode import FAST_FAILURE_DETECTION, SimulatedCluster
 from ray.cluster_utils import Cluster
 
+from multinode import FAST_FAILURE_DETECTION, SimulatedCluster
 
-def dashboard_port() -> int:
-    """A free port below Linux's ephemeral range (32768-60999), where Ray's own ports
-    (bound to port 0) come from: one picked there was once the very port Ray then gave
-    the GCS, and the head failed to start."""
-    while True:
-        port = random.randrange(20_000, 32_000)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
+HERE = Path(__file__).parent
+_shared: list[SimulatedCluster] = []
+"""The folder's cluster once started (at most one)."""
 
 
-@pytest.fixture(scope="module")
-def sim_cluster() -> Iterator[SimulatedCluster]:
-    if ray.is_initialized():  # another module's instance: this module needs its own
+@pytest.fixture
+def sim_cluster() -> SimulatedCluster:
+    if not _shared:
+        if ray.is_initialized():  # an instance another folder left: this one needs its own
+            ray.shutdown()
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 0,
+                # The dashboard serves Ray's state API (leftover actors, placement groups).
+                # No port given: Ray binds 8265 or the next free one itself.
+                "include_dashboard": True,
+                "dashboard_host": "127.0.0.1",
+                "object_store_memory": 80 * 2**20,
+                "_system_config": FAST_FAILURE_DETECTION,
+            },
+        )
+        ray.init(address=cluster.address, log_to_driver=False)
+        _shared.append(SimulatedCluster(cluster))
+    return _shared[0]
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After the folder's last test (whatever runs next), stop its cluster."""
+    if _shared and (nextitem is None or HERE not in Path(nextitem.path).parents):
+        harness = _shared.pop()
         ray.shutdown()
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 0,
-            # The dashboard serves Ray's state API (leftover actors, placement groups).
-            "include_dashboard": True,
-            "dashboard_host": "127.0.0.1",
-            "dashboard_port": dashboard_port(),
-            "object_store_memory": 80 * 2**20,
-            "_system_config": FAST_FAILURE_DETECTION,
-        },
-    )
-    ray.init(address=cluster.address, log_to_driver=False)
-    harness = SimulatedCluster(cluster)
-    try:
-        yield harness
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+        harness.cluster.shutdown()

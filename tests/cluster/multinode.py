@@ -4,8 +4,8 @@
 the driver, the Train controller and trainstack's small actors live there) and worker
 "nodes" of 1 CPU each that advertise the `WORKER_NODE` resource, so a job that asks for
 it lands only on them. Health checks every 200 ms and Ray Train's 0.25 s poll make a
-killed node's loss seen within about a second. One cluster per test module; each test
-brings the worker nodes it needs (`SimulatedCluster.workers`) and leaves none behind.
+killed node's loss seen within about a second. One cluster for tests/cluster; each test
+brings the worker nodes it needs (`SimulatedCluster.workers`) and leaves no run behind.
 """
 
 from __future__ import annotations
@@ -67,9 +67,22 @@ class SimulatedCluster:
         self.wait_for_capacity(count)
         return list(self.nodes)
 
-    def wait_for_capacity(self, count: int, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
+    def wait_for_capacity(self, count: int) -> None:
+        """Wait until Ray counts `count` live worker nodes (the test's timeout guards),
+        then have the autoscaling coordinator see them too."""
         while ray.cluster_resources().get(WORKER_NODE, 0) != count:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the cluster did not reach {count} worker node(s)")
             time.sleep(0.1)
+        self.refresh_reservations()
+
+    def refresh_reservations(self) -> None:
+        """Ray Train's elastic policy sizes a group by what Ray's autoscaling coordinator
+        reserves for it, and the coordinator looks at the cluster's nodes every 20 s.
+        Ask it to look now, as its next tick would: a node that joined or died is seen
+        at once instead of up to 20 s later."""
+        try:
+            coordinator = ray.get_actor(
+                "AutoscalingCoordinator", namespace="AutoscalingCoordinator"
+            )
+        except ValueError:  # no elastic run has asked for one yet: nothing to refresh
+            return
+        ray.get(coordinator.get_reserved_resources.remote("trainstack-tests", recompute=True))

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from multinode import WORKER_NODE, SimulatedCluster
 from ray.util import state
 
 from trainstack import checkpoint as ckpt
@@ -21,6 +20,8 @@ from trainstack.cli import main
 from trainstack.config import config_from_dict
 from trainstack.runtime.launcher import run_job
 from trainstack.runtime.local import run_processes
+
+from multinode import WORKER_NODE, SimulatedCluster
 
 STRATEGIES: dict[str, dict[str, Any]] = {
     "zero2": {"kind": "zero", "stage": 2},

@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from multinode import WORKER_NODE, SimulatedCluster
 from ray.util import state
 
 from trainstack.config import config_from_dict
 from trainstack.runtime.launcher import run_job
+
+from multinode import WORKER_NODE, SimulatedCluster
 
 PS_ACTORS = ("ParameterServerShard", "ParameterServerWorker", "ClockBoard")
 
@@ -51,19 +52,18 @@ def live_shards() -> list[Any]:
     )
 
 
-def assert_no_ps_actor_left() -> None:
-    """Every actor of the run is gone (the driver's kills take a moment to show)."""
-    deadline = time.monotonic() + 10
+def wait_until_no_ps_actor_is_left() -> None:
+    """Every actor of the run goes (the driver's kills take a moment to show); one left
+    alive keeps this waiting until the test's timeout fails it."""
     while True:
         alive = [a for a in state.list_actors() if a.state == "ALIVE"]
-        left = [a.class_name for a in alive if a.class_name in PS_ACTORS]
-        if not left or time.monotonic() > deadline:
-            break
+        if not [a.class_name for a in alive if a.class_name in PS_ACTORS]:
+            return
         time.sleep(0.5)
-    assert left == [], left
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_shards_on_a_lost_service_node_restart_elsewhere_and_the_run_still_learns(
     sim_cluster: SimulatedCluster, tmp_path: Path
 ) -> None:
@@ -101,10 +101,11 @@ def test_shards_on_a_lost_service_node_restart_elsewhere_and_the_run_still_learn
     # Measured: 1.13 in 3 runs (unkilled, 1.13 to 1.16), against the floor's 1.14 and the
     # untrained model's 2.72 (ln 16 = 2.77).
     assert summary["final_loss"] < summary["entropy_floor"] + 0.3
-    assert_no_ps_actor_left()
+    wait_until_no_ps_actor_is_left()
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_without_a_node_free_of_training_the_shards_start_on_training_nodes(
     sim_cluster: SimulatedCluster, tmp_path: Path
 ) -> None:
@@ -125,4 +126,4 @@ def test_without_a_node_free_of_training_the_shards_start_on_training_nodes(
     assert len(placed) == 2
     assert {a.node_id for a in placed} <= {node.node_id for node in nodes}
     assert [a.required_resources.get("CPU") for a in placed] == [1.0, 1.0]
-    assert_no_ps_actor_left()
+    wait_until_no_ps_actor_is_left()
