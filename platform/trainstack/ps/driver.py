@@ -115,6 +115,7 @@ def run_parameter_server(
         .options(
             name=names.worker(w),
             num_cpus=cfg.scaling.cpus_per_worker,
+            num_gpus=1 if cfg.scaling.use_gpu else 0,  # Ray gives the actor its own GPU
             resources=dict(cfg.scaling.resources_per_worker),
             scheduling_strategy=OWN_RESOURCES,
             max_restarts=cfg.failure.max_failures,
@@ -294,6 +295,7 @@ def _summary(
 ) -> dict[str, Any]:
     s = cfg.strategy
     staleness = np.array([t for r in shard_reports for t in r["staleness"]], dtype=np.int64)
+    lr_factors = [f for r in shard_reports for f in r["lr_factors"]]
     updates = sum(r["version"] for r in shard_reports) / len(shard_reports)
     clocks = board_report["clocks"]
     samples = sum(clocks) * cfg.train.global_batch_size / cfg.scaling.num_workers
@@ -305,7 +307,7 @@ def _summary(
     return {
         "strategy": "ps",
         "world_size": cfg.scaling.num_workers,
-        "device": "cpu",
+        "device": reports[0]["device"],  # the workers' (a shard's is always the CPU)
         "steps": min(clocks),
         "final_loss": eval_loss if eval_loss is not None else float("nan"),
         "eval_loss": eval_loss,
@@ -331,6 +333,8 @@ def _summary(
             "staleness_p50": float(np.percentile(staleness, 50)) if staleness.size else 0.0,
             "staleness_p99": float(np.percentile(staleness, 99)) if staleness.size else 0.0,
             "staleness_max": int(staleness.max()) if staleness.size else 0,
+            # the mean factor staleness_lr put on the updates' lr (1: none scaled down)
+            "lr_factor_mean": statistics.fmean(lr_factors) if lr_factors else 1.0,
             "clock_gap_max": board_report["gap_max"],
             "waits": board_report["waits"],
             "wait_s": board_report["wait_s"],

@@ -31,7 +31,7 @@ from trainstack.ps.partition import ShardLayout
 from trainstack.ps.shard import encode_push
 from trainstack.runtime.faults import FaultInjector
 from trainstack.runtime.loop import torch_threads
-from trainstack.strategies.base import apply_compile, autocast
+from trainstack.strategies.base import apply_compile, autocast, to_device
 from trainstack.tasks import build_task
 from trainstack.telemetry import PsWorkerTelemetry
 
@@ -55,7 +55,10 @@ class ParameterServerWorker:
         self.shards: list[Any] = [names.find(names.shard(i)) for i in range(len(layouts))]
         self.board: Any = names.find(names.board)
         board = self.board
+        # With scaling.use_gpu Ray gave this actor a GPU of its own (cuda:0 here).
+        self.device = torch.device("cuda" if cfg.scaling.use_gpu else "cpu")
         self.model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.train.seed)
+        self.model.to(self.device)
         apply_compile(cfg, self.model)
         self.params = dict(self.model.named_parameters())
         self.task = build_task(cfg)
@@ -142,7 +145,8 @@ class ParameterServerWorker:
             "seconds": self.seconds,
             "bytes_sent": self.bytes_sent,
             "dense_bytes": self.dense_bytes,
-            "peak_mem_bytes": peak_memory_bytes(torch.device("cpu")),
+            "peak_mem_bytes": peak_memory_bytes(self.device),
+            "device": self.device.type,
         }
 
     def _pull(self) -> None:
@@ -163,7 +167,8 @@ class ParameterServerWorker:
         micro_batches = self.batches.next_step()
         total = 0.0
         for x, y in micro_batches:
-            with autocast(self.cfg, torch.device("cpu")):  # workers train on CPU
+            x, y = to_device((x, y), self.device, pin_memory=self.cfg.train.pin_memory)
+            with autocast(self.cfg, self.device):
                 loss = self.task.loss(self.model(x), y, inputs=x)
             (loss / len(micro_batches)).backward()
             total += loss.item()
@@ -173,7 +178,8 @@ class ParameterServerWorker:
         """Push this step's gradients to every shard and return their versions after it;
         with `pull`, take the parameters they send back as the next step's."""
         t = time.perf_counter()
-        grads = {name: p.grad for name, p in self.params.items() if p.grad is not None}
+        # the wire and the codecs work on host memory
+        grads = {name: p.grad.cpu() for name, p in self.params.items() if p.grad is not None}
         refs = []
         for i, (shard, layout) in enumerate(zip(self.shards, self.layouts, strict=True)):
             wire, nbytes = encode_push(

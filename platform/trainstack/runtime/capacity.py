@@ -167,8 +167,8 @@ def check_fits_this_machine(cfg: JobConfig) -> None:
 
 
 def uses_gpus(cfg: JobConfig) -> bool:
-    """Whether each worker reserves a GPU (parameter-server workers train on CPU)."""
-    return cfg.scaling.use_gpu and cfg.strategy.kind != "ps"
+    """Whether each worker reserves a GPU (a parameter server's shards stay on CPU)."""
+    return cfg.scaling.use_gpu
 
 
 def _local_gpus() -> int:
