@@ -181,7 +181,9 @@ def test_workers_that_fit_the_local_instance_pass() -> None:
     check_local_resources(spec(scaling={"num_workers": 4, "cpus_per_worker": 0.5}), cpus=2, gpus=0)
     check_local_resources(spec(scaling={"num_workers": 2, "use_gpu": True}), cpus=2, gpus=2)
     ps_on_gpu = spec(scaling={"use_gpu": True}, strategy={"kind": "ps"}, optim={"grad_clip": 0})
-    check_local_resources(ps_on_gpu, cpus=2, gpus=0)  # parameter-server workers reserve no GPU
+    check_local_resources(ps_on_gpu, cpus=2, gpus=2)  # parameter-server workers take one each
+    with pytest.raises(ConfigError, match="needs 2 GPUs, but this machine has 0"):
+        check_local_resources(ps_on_gpu, cpus=2, gpus=0)
 
 
 def test_cluster_wait_note_says_what_is_missing() -> None:
