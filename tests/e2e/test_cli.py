@@ -17,7 +17,7 @@ from user_shell import BIN, ROOT, run
 def test_bad_spec_exits_2_with_one_line_and_no_traceback(
     command: list[str], bad_spec: Path
 ) -> None:
-    proc = run([*command, str(bad_spec)], timeout=120)
+    proc = run([*command, str(bad_spec)])
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1
@@ -35,7 +35,6 @@ def test_bad_override_exits_2(tmp_path: Path) -> None:
             "--set",
             "train.global_batch_size=30",
         ],
-        timeout=120,
     )
     assert proc.returncode == 2
     assert proc.stderr.startswith("trainstack: error: train.global_batch_size=30")
@@ -43,7 +42,7 @@ def test_bad_override_exits_2(tmp_path: Path) -> None:
 
 
 def test_missing_spec_file_exits_2(tmp_path: Path) -> None:
-    proc = run([str(BIN / "trainstack"), "run", str(tmp_path / "nope.yaml")], timeout=120)
+    proc = run([str(BIN / "trainstack"), "run", str(tmp_path / "nope.yaml")])
     assert proc.returncode == 2
     assert "nope.yaml" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -60,7 +59,6 @@ def test_corrupt_checkpoints_stop_the_run_with_one_line(tmp_path: Path) -> None:
             "--set",
             f"checkpoint.storage_path={tmp_path / 'runs'}",
         ],
-        timeout=120,
     )
     assert proc.returncode == 2
     errors = proc.stderr.strip().splitlines()
@@ -90,7 +88,6 @@ def test_bad_model_target_exits_2_with_one_line_before_anything_starts(
     sets = [arg for o in [*overrides, f"checkpoint.storage_path={storage}"] for arg in ("--set", o)]
     proc = run(
         [str(BIN / "trainstack"), "run", "examples/specs/cnn_classify.yaml", *sets],
-        timeout=120,
         PYTHONPATH=str(ROOT / "examples"),
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr

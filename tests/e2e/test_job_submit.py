@@ -2,25 +2,47 @@
 `ray start --head` cluster on 127.0.0.1 with token authentication (one cluster for the
 module)."""
 
+import contextlib
 import csv
 import json
-import math
+import os
 import re
 import secrets
 import shutil
+import signal
+import subprocess
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlflow
+import psutil
 import pytest
+import torch
 import yaml
+from ray.job_submission import JobStatus, JobSubmissionClient
 
-from trainstack.runtime.local import free_port
+from trainstack import checkpoint as ckpt
+from trainstack.config import config_to_dict, load_config
+from trainstack.runtime.local import run_processes
 
-from user_shell import BIN, ROOT, run
+from bounds import assert_trained, max_difference
+from user_shell import BIN, ROOT, run, user_env
 
 pytestmark = pytest.mark.slow
+
+STARTED = "This command will now block forever until terminated by a signal."
+"""The line `ray start --block` prints once its node is up."""
+
+
+@dataclass(frozen=True)
+class HeadNode:
+    address: str
+    """The job API (and dashboard) address, as Ray reported it."""
+    session: Path
+    """The Ray session directory of this cluster (`session_<date>_<time>_<pid>`)."""
 
 
 @pytest.fixture(scope="module")
@@ -30,81 +52,135 @@ def auth() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def head_node(auth: dict[str, str]) -> Iterator[str]:
-    """A one-node Ray cluster on loopback; yields the job API address. Stopped by `ray stop`."""
-    gcs_port, dashboard_port = free_port(), free_port()
-    started = run(
-        [
-            str(BIN / "ray"),
-            "start",
-            "--head",
-            "--node-ip-address=127.0.0.1",
-            f"--port={gcs_port}",
-            "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={dashboard_port}",
-            "--num-cpus=2",
-            "--disable-usage-stats",
-        ],
-        timeout=180,
-        PYTHONPATH="",  # a user's package must reach the workers through --working-dir
-        **auth,
-    )
-    assert started.returncode == 0, started.stderr[-3000:]
+def head_node(auth: dict[str, str]) -> Iterator[HeadNode]:
+    """A one-node Ray cluster on loopback, every port chosen by Ray (0: "allocate an
+    available port"). `ray start --block` runs in its own process group and a temporary
+    directory of its own (so no other Ray on this machine finds it, nor it theirs); ending
+    that process stops the node, and nothing of it may be left."""
+    temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's sockets live here
+    log_path = temp_dir / "ray-start.log"
+    with log_path.open("w") as log:
+        head = subprocess.Popen(
+            [
+                *(str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1"),
+                *("--port=0", "--dashboard-host=127.0.0.1", "--dashboard-port=0"),
+                *("--dashboard-agent-listen-port=0", "--num-cpus=2", "--disable-usage-stats"),
+                f"--temp-dir={temp_dir}",
+            ],
+            cwd=ROOT,
+            # a user's package must reach the workers through --working-dir; nothing to
+            # drain on SIGTERM (no Serve), so the node stops at once
+            env=user_env(PYTHONPATH="", RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0", **auth),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
-        yield f"http://127.0.0.1:{dashboard_port}"
+        output = started_output(head, log_path)
+        address = re.search(r"RAY_API_SERVER_ADDRESS='(http://[^']+)'", output)
+        exit_log = re.search(r"Process exit logs will be saved to: (\S+)/logs/", output)
+        assert address and exit_log, output[-3000:]
+        session = Path(exit_log[1])
+        assert session.name.endswith(f"_{head.pid}"), session  # started by this process
+        yield HeadNode(address=address[1], session=session)
     finally:
-        stopped = run([str(BIN / "ray"), "stop"], timeout=120, **auth)
-        assert stopped.returncode == 0, stopped.stderr[-2000:]
+        stop_head(head, temp_dir)
 
 
-def test_trainstack_submit_trains_demo_on_head_node_under_its_name(
-    head_node: str, auth: dict[str, str], tmp_path: Path
+def started_output(head: subprocess.Popen[bytes], log_path: Path) -> str:
+    """`ray start`'s output once its node is up (ANSI colours removed)."""
+
+    def output() -> str:
+        return re.sub(r"\x1b\[[0-9;]*m", "", log_path.read_text())
+
+    while STARTED not in output() and head.poll() is None:
+        time.sleep(0.2)
+    assert STARTED in output(), f"ray start exited with {head.returncode}:\n{output()[-3000:]}"
+    return output()
+
+
+def stop_head(head: subprocess.Popen[bytes], temp_dir: Path) -> None:
+    """End `ray start --block`, which stops its node's processes (GCS, raylet, dashboard,
+    ...) and waits for them: none naming the cluster's directory may be left. Then end
+    its process group: the workers and helpers they started, on their way out."""
+    head.terminate()
+    head.wait()
+    left = [
+        process.info["cmdline"]
+        for process in psutil.process_iter(["cmdline"])
+        if any(str(temp_dir) in arg for arg in process.info["cmdline"] or ())
+    ]
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(head.pid, signal.SIGKILL)
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    assert not left, f"left running after `ray start --block` ended: {left}"
+
+
+def job_api(head_node: HeadNode, auth: dict[str, str]) -> JobSubmissionClient:
+    """The cluster's Job API as a user's script reaches it, with the cluster's token."""
+    token = {"Authorization": f"Bearer {auth['RAY_AUTH_TOKEN']}"}
+    return JobSubmissionClient(head_node.address, headers=token)
+
+
+def until(condition: Callable[[], object]) -> None:
+    """Poll `condition` until it holds (the test's timeout is the hang guard)."""
+    while not condition():
+        time.sleep(1)
+
+
+DEMO_STEPS = 30
+
+
+@pytest.mark.timeout(420)
+def test_trainstack_submit_trains_the_demo_under_its_name_as_gloo_processes_do(
+    head_node: HeadNode, auth: dict[str, str], tmp_path: Path
 ) -> None:
     """`trainstack submit` runs what `ray job submit ... python jobs/train.py` runs, as a
-    job the dashboard lists by the spec's name and strategy."""
+    job the dashboard lists by the spec's name and strategy, and trains exactly what the
+    same spec trains on 2 local gloo processes."""
     summary_path = tmp_path / "summary.json"
+    sets = [f"train.steps={DEMO_STEPS}", f"checkpoint.storage_path={tmp_path / 'runs'}"]
     proc = run(
         [
             *(str(BIN / "trainstack"), "submit", "jobs/configs/demo.yaml"),
-            *("--address", head_node, "--set", "train.steps=30"),
-            *("--set", f"checkpoint.storage_path={tmp_path / 'runs'}"),
+            *("--address", head_node.address, "--set", sets[0], "--set", sets[1]),
             *("--summary-json", str(summary_path)),
         ],
-        timeout=420,
         **auth,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     job = re.search(r"submitted (trainstack-demo-ddp-[0-9a-f]{8}) to ", proc.stdout)
     assert job is not None, proc.stdout[-2000:]
     assert f"trainstack: job {job[1]} succeeded" in proc.stdout
-    assert "step 30/30" in proc.stdout
+    assert f"step {DEMO_STEPS}/{DEMO_STEPS}" in proc.stdout
     # The job's log says where to watch it and how to get past the token login.
-    dashboard = head_node.removesuffix("/")
+    dashboard = head_node.address.removesuffix("/")
     assert f"trainstack: Ray dashboard: {dashboard} (it asks for the cluster's token" in proc.stdout
     assert "`ray get-auth-token`" in proc.stdout
-    read = run(
-        [
-            str(BIN / "python"),
-            "-c",
-            "import json, sys; from ray.job_submission import JobSubmissionClient as C; "
-            "print(json.dumps(C(sys.argv[1]).get_job_info(sys.argv[2]).metadata))",
-            *(head_node, job[1]),
-        ],
-        timeout=60,
-        **auth,
-    )
-    metadata = json.loads(read.stdout.strip().splitlines()[-1])
+    metadata = job_api(head_node, auth).get_job_info(job[1]).metadata
     assert metadata["trainstack.name"] == "demo" and metadata["trainstack.strategy"] == "ddp"
     summary = json.loads(summary_path.read_text())
-    assert summary["steps"] == 30 and summary["world_size"] == 2
-    # Thirty steps only start down from uniform guessing (ln 32 = 3.466; the untrained
-    # model scores 3.489 and the floor is 2.228). Measured for this spec and world size,
-    # by `trainstack run` on Ray and on gloo processes alike: 3.428.
-    assert summary["final_loss"] < math.log(32) - 0.02
+    assert summary["steps"] == DEMO_STEPS and summary["world_size"] == 2
+    # Thirty steps end on the demo's plateau (3.428; ln 32 = 3.466, a context-blind model
+    # 3.464), where no loss bound tells a broken run from a right one; equality does: Ray's
+    # worker group and gloo processes run the same math, bit for bit (as in
+    # tests/ray/test_recovery.py).
+    reference_dir = tmp_path / "reference"
+    spec = load_config(
+        str(ROOT / "jobs/configs/demo.yaml"),
+        [sets[0], f"checkpoint.storage_path={reference_dir / 'runs'}"],
+    )
+    reference = run_processes(spec, world_size=2, out_dir=reference_dir)
+    expected = torch.load(reference_dir / "model.pt", weights_only=True)
+    weights = ckpt.verify(Path(summary["final_checkpoint"])).load("model.pt")
+    assert_trained(weights, config_to_dict(spec))
+    assert max_difference(weights, expected) == 0.0
+    assert summary["final_loss"] == reference["final_loss"]
 
 
+@pytest.mark.timeout(420)
 def test_job_submit_runs_a_sweep_whose_failed_trial_is_retried(
-    head_node: str, auth: dict[str, str], tmp_path: Path
+    head_node: HeadNode, auth: dict[str, str], tmp_path: Path
 ) -> None:
     """The trial's run fails once for good (a worker killed, no restarts allowed in the
     job spec); the sweep's failure policy retries the trial, which then finishes."""
@@ -112,14 +188,15 @@ def test_job_submit_runs_a_sweep_whose_failed_trial_is_retried(
         "name": "submitted",
         "model": {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32},
         "data": {"vocab_size": 16, "order": 1, "eval_samples": 32},
-        "train": {"steps": 20, "global_batch_size": 16, "micro_batch_size": 8},
+        "train": {"steps": 12, "global_batch_size": 16, "micro_batch_size": 8},
         "optim": {"warmup_steps": 2, "grad_clip": 0.0},
-        "strategy": {"kind": "ps"},
+        "strategy": {"kind": "ps", "num_shards": 1},
         "compression": {"ratio": 0.05, "min_numel": 0},
-        "log": {"every_steps": 5},
+        "scaling": {"num_workers": 1},
+        "log": {"every_steps": 4},
         "checkpoint": {"storage_path": str(tmp_path / "runs")},
         "failure": {"max_failures": 0},
-        "faults": {"kill_at_steps": [8], "rank": 1},  # fires once per run directory
+        "faults": {"kill_at_steps": [6], "rank": 0},  # fires once per run directory
         "tracking": {"backend": "mlflow", "uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
     }
     (tmp_path / "base.yaml").write_text(json.dumps(base))
@@ -134,11 +211,10 @@ def test_job_submit_runs_a_sweep_whose_failed_trial_is_retried(
     (tmp_path / "sweep.yaml").write_text(json.dumps(sweep))
     proc = run(
         [
-            *(str(BIN / "ray"), "job", "submit", "--address", head_node, "--working-dir", "."),
-            *("--", "python", "tune/sweep.py", str(tmp_path / "sweep.yaml")),
+            *(str(BIN / "ray"), "job", "submit", "--address", head_node.address),
+            *("--working-dir", ".", "--", "python", "tune/sweep.py", str(tmp_path / "sweep.yaml")),
             *("--storage-path", str(tmp_path / "sweeps")),
         ],
-        timeout=420,
         **auth,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -146,7 +222,7 @@ def test_job_submit_runs_a_sweep_whose_failed_trial_is_retried(
     results = tmp_path / "sweeps" / "submitted-sweep"
     rows = list(csv.DictReader((results / "results.csv").open()))
     assert [r["compression.kind"] for r in rows] == ["topk"]
-    assert rows[0]["status"] == "completed" and float(rows[0]["eval_loss"]) > 0
+    assert rows[0]["status"] == "completed" and rows[0]["step"] == "12"
     assert (results / "best.yaml").exists()
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
@@ -156,8 +232,9 @@ def test_job_submit_runs_a_sweep_whose_failed_trial_is_retried(
     assert trial_runs[0].data.tags["trainstack.resumed_count"] == "1"
 
 
+@pytest.mark.timeout(420)
 def test_job_submit_ships_a_users_own_model_package_with_working_dir(
-    head_node: str, auth: dict[str, str], tmp_path: Path
+    head_node: HeadNode, auth: dict[str, str], tmp_path: Path
 ) -> None:
     """A user's project: their package and spec in one directory, submitted with
     --working-dir; nothing of it is on the cluster's PYTHONPATH."""
@@ -169,6 +246,7 @@ def test_job_submit_ships_a_users_own_model_package_with_working_dir(
         "task": {"kind": "classify"},
         "data": {"kind": "clusters", "num_classes": 10, "eval_samples": 256},
         "train": {"steps": 60, "global_batch_size": 64, "micro_batch_size": 32},
+        "scaling": {"num_workers": 1},  # the package reaches a worker process: the point
         "optim": {"lr": 3e-3, "warmup_steps": 5},
         "log": {"every_steps": 20},
         "checkpoint": {"storage_path": str(tmp_path / "runs")},
@@ -177,25 +255,26 @@ def test_job_submit_ships_a_users_own_model_package_with_working_dir(
     summary_path = tmp_path / "summary.json"
     proc = run(
         [
-            *(str(BIN / "ray"), "job", "submit", "--address", head_node),
+            *(str(BIN / "ray"), "job", "submit", "--address", head_node.address),
             *("--working-dir", str(project), "--"),
             *("trainstack", "run", "cnn.yaml", "--progress", "lines"),
             *("--summary-json", str(summary_path)),
         ],
-        timeout=420,
         PYTHONPATH="",
         **auth,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "step 60/60" in proc.stdout
     summary = json.loads(summary_path.read_text())
-    assert summary["task"] == "classify" and summary["world_size"] == 2
-    # Chance is 10% on 10 classes; 60 steps of the CNN get well past it.
-    assert summary["eval_accuracy"] > 0.6
+    assert summary["task"] == "classify" and summary["world_size"] == 1
+    # Chance is 10% on 10 classes, the Bayes accuracy 98%; measured after these 60 steps
+    # (the run is seeded): 96.1%.
+    assert summary["eval_accuracy"] > 0.9
 
 
+@pytest.mark.timeout(480)
 def test_the_dashboard_shows_the_job_by_name_its_progress_and_its_actors(
-    head_node: str, auth: dict[str, str], tmp_path: Path
+    head_node: HeadNode, auth: dict[str, str], tmp_path: Path
 ) -> None:
     """What a user sees in a browser: headless Chromium gets past Ray's token dialog with
     the cluster's token, finds a parameter-server job on the Jobs page under its name,
@@ -205,14 +284,14 @@ def test_the_dashboard_shows_the_job_by_name_its_progress_and_its_actors(
     browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
     if not (browser and driver):
         pytest.skip("no chromium/chromedriver (Debian's chromium, chromium-driver; make browser)")
-    steps = 120
+    steps = 40
     proc = run(
         [
-            *(str(BIN / "trainstack"), "submit", "jobs/configs/ps.yaml", "--address", head_node),
+            *(str(BIN / "trainstack"), "submit", "jobs/configs/ps.yaml"),
+            *("--address", head_node.address, "--no-wait"),
             *("--set", f"train.steps={steps}", "--set", "scaling.num_workers=1"),
-            *("--set", f"checkpoint.storage_path={tmp_path / 'runs'}", "--no-wait"),
+            *("--set", f"checkpoint.storage_path={tmp_path / 'runs'}"),
         ],
-        timeout=120,
         **auth,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -228,26 +307,27 @@ def test_the_dashboard_shows_the_job_by_name_its_progress_and_its_actors(
     options.add_argument("--window-size=1400,1000")
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
 
     page = webdriver.Chrome(service=Service(driver), options=options)
     try:
 
-        def shows(*texts: str, timeout: float = 90, reload_every: float = 0) -> None:
-            def seen(_: object) -> bool:
-                if reload_every and time.monotonic() - shown[0] > reload_every:
-                    page.refresh()
-                    shown[0] = time.monotonic()
-                # what the page shows (the log viewer renders spaces as no-break ones)
-                shown_text = page.execute_script("return document.body.innerText")
-                return all(text in shown_text.replace("\xa0", " ") for text in texts)
+        def shows(*texts: str) -> bool:
+            # what the page shows (the log viewer renders spaces as no-break ones)
+            shown = page.execute_script("return document.body.innerText").replace("\xa0", " ")
+            return all(text in shown for text in texts)
 
-            shown = [time.monotonic()]
-            WebDriverWait(page, timeout, poll_frequency=1).until(seen)
+        def shows_after_reloads(*texts: str) -> bool:
+            """For a page that reads what it shows once per load: 5 s, then a reload."""
+            for _ in range(5):
+                if shows(*texts):
+                    return True
+                time.sleep(1)
+            page.refresh()
+            return False
 
-        page.get(head_node)
+        page.get(head_node.address)
         token_box = "input[placeholder='Enter your authentication token']"
-        WebDriverWait(page, 60).until(lambda p: p.find_elements(By.CSS_SELECTOR, token_box))
+        until(lambda: page.find_elements(By.CSS_SELECTOR, token_box))
         page.save_screenshot(str(shots / "dashboard_token.png"))
         page.find_element(By.CSS_SELECTOR, token_box).send_keys(auth["RAY_AUTH_TOKEN"])
         page.find_element(By.XPATH, "//button[normalize-space()='Submit']").click()
@@ -255,45 +335,45 @@ def test_the_dashboard_shows_the_job_by_name_its_progress_and_its_actors(
         def filter_by(label: str, text: str) -> None:
             """Type into one of a table's filters (the tables show 10 rows a page)."""
             box = f"//label[normalize-space()='{label}']"
-            WebDriverWait(page, 30).until(lambda p: p.find_elements(By.XPATH, box))
+            until(lambda: page.find_elements(By.XPATH, box))
             for_id = page.find_element(By.XPATH, box).get_attribute("for")
             page.find_element(By.ID, for_id).send_keys(text)
 
-        page.get(f"{head_node}/#/jobs")
+        page.get(f"{head_node.address}/#/jobs")
         filter_by("Submission ID", job)
-        shows(job)
+        until(lambda: shows(job))
         name_cell = "//td[normalize-space()='ps-demo']"  # the spec's name, in the Name column
-        WebDriverWait(page, 30).until(lambda p: p.find_elements(By.XPATH, name_cell))
+        until(lambda: page.find_elements(By.XPATH, name_cell))
         page.save_screenshot(str(shots / "dashboard_jobs.png"))
 
-        page.get(f"{head_node}/#/jobs/{job}")
-        shows(f"step {steps}/{steps}", "trainstack: Ray dashboard:", timeout=180, reload_every=10)
+        page.get(f"{head_node.address}/#/jobs/{job}")
+        until(lambda: shows_after_reloads(f"step {steps}/{steps}", "trainstack: Ray dashboard:"))
         page.execute_script("window.scrollBy(0, 640)")  # the driver's log, below the summary
         page.save_screenshot(str(shots / "dashboard_job_log.png"))
 
-        page.get(f"{head_node}/#/actors")
+        page.get(f"{head_node.address}/#/actors")
         filter_by("Name", "trainstack-ps-ps-demo-")
-        shows("trainstack-ps-ps-demo-", "-shard-0", "-worker-0", "ParameterServerShard")
+        until(
+            lambda: shows("trainstack-ps-ps-demo-", "-shard-0", "-worker-0", "ParameterServerShard")
+        )
         page.save_screenshot(str(shots / "dashboard_actors.png"))
     finally:
         page.quit()
-    ended = run(
-        [str(BIN / "ray"), "job", "logs", "--address", head_node, "--follow", job],
-        timeout=300,
-        **auth,
-    )
-    assert f"step {steps}/{steps}" in ended.stdout, ended.stdout[-2000:]
+    client = job_api(head_node, auth)
+    until(lambda: client.get_job_status(job).is_terminal())  # not into the next test
+    assert client.get_job_status(job) == JobStatus.SUCCEEDED, client.get_job_logs(job)[-2000:]
 
 
+@pytest.mark.timeout(180)  # the module's cluster stops after it
 def test_grafana_provisioning_of_the_head_nodes_session_loads_trainstacks_dashboard(
-    head_node: str,
+    head_node: HeadNode,
 ) -> None:
     """`make grafana` (dashboards/provision.py) puts the dashboard in the folder the Ray
     session's Grafana provider reads. Grafana itself cannot be downloaded here: the
     provider file Ray wrote is read as Grafana would read it."""
-    session = Path("/tmp/ray/session_latest").resolve()
+    session = head_node.session
     provision = [str(BIN / "python"), "dashboards/provision.py", "--session-dir"]
-    proc = run([*provision, str(session)], timeout=60)
+    proc = run([*provision, str(session)])
     assert proc.returncode == 0, proc.stderr
     provider_file = session / "metrics/grafana/provisioning/dashboards/default.yml"
     provider = yaml.safe_load(provider_file.read_text())["providers"][0]
@@ -302,5 +382,5 @@ def test_grafana_provisioning_of_the_head_nodes_session_loads_trainstacks_dashbo
     assert copied.is_relative_to(session)
     shipped = json.loads((ROOT / "dashboards/grafana_trainstack.json").read_text())
     assert json.loads(copied.read_text()) == shipped
-    nowhere = run([*provision, "/nonexistent"], timeout=60)
+    nowhere = run([*provision, "/nonexistent"])
     assert nowhere.returncode == 2 and len(nowhere.stderr.strip().splitlines()) == 1

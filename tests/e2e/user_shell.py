@@ -1,4 +1,7 @@
-"""Run trainstack's commands as a user would: subprocesses with the venv on PATH."""
+"""Run trainstack's commands as a user would: subprocesses with the venv on PATH.
+
+No command here has a timeout of its own: each test's `pytest.mark.timeout` is its hang
+guard (pytest-timeout ends the test, and `subprocess.run` kills the command it waits on)."""
 
 import os
 import subprocess
@@ -20,13 +23,12 @@ def user_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run(args: list[str], *, timeout: float, **extra_env: str) -> subprocess.CompletedProcess[str]:
+def run(args: list[str], **extra_env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         args,
         cwd=ROOT,
         env=user_env(**extra_env),
         capture_output=True,
         text=True,
-        timeout=timeout,
         check=False,
     )
