@@ -1,6 +1,7 @@
-"""The parameter server on Ray actors: BSP is synchronous SGD, SSP keeps its bound
-with a straggler, async converges with its staleness controls, and killed workers and
-shards are restarted without stopping the run."""
+"""The parameter server on Ray actors: BSP is synchronous SGD, even with a worker and a
+shard killed and restarted mid-run; SSP keeps its bound with a straggler; async learns
+with its staleness controls (a stale push's lr scaled down, pushes past the bound
+rejected) and with compressed pushes."""
 
 import time
 from pathlib import Path
@@ -12,7 +13,16 @@ import torch
 from trainstack import checkpoint as ckpt
 from trainstack.config import config_from_dict
 from trainstack.ps.driver import run_parameter_server
+from trainstack.ps.shard import staleness_lr_factor
 from trainstack.runtime.local import run_processes
+
+from bounds import (
+    assert_trained,
+    context_blind_loss,
+    float32_sensitivity,
+    max_difference,
+    sensitivity_bound,
+)
 
 
 def spec(storage: Path, *, workers: int = 2, steps: int = 10, **strategy: Any) -> dict:
@@ -37,19 +47,39 @@ def final_weights(summary: dict[str, Any]) -> dict[str, torch.Tensor]:
     return weights
 
 
-def test_bsp_equals_synchronous_sgd_after_10_clocks(ray_cluster: None, tmp_path: Path) -> None:
-    summary = run_parameter_server(config_from_dict(spec(tmp_path / "ps", consistency="bsp")))
-    reference = spec(tmp_path / "ref", consistency="bsp")
-    reference["strategy"] = {"kind": "ddp"}
-    reference["scaling"] = {"num_workers": 1}
-    run_processes(config_from_dict(reference), world_size=1, out_dir=tmp_path / "ref-out")
-    expected = torch.load(tmp_path / "ref-out" / "model.pt", weights_only=True)
-    got = final_weights(summary)
-    assert max((got[k] - expected[k]).abs().max().item() for k in expected) < 1e-5
-    assert summary["ps"]["staleness_max"] == 0 and summary["ps"]["updates"] == 10
+def test_inverse_staleness_lr_divides_the_lr_by_1_plus_alpha_times_staleness() -> None:
+    assert staleness_lr_factor(0, rule="inverse", alpha=1.0) == 1.0
+    assert staleness_lr_factor(3, rule="inverse", alpha=0.5) == 1 / 2.5
+    assert staleness_lr_factor(3, rule="none", alpha=0.5) == 1.0
+
+
+def test_bsp_with_a_killed_worker_and_shard_equals_synchronous_sgd_after_20_clocks(
+    ray_cluster: None, tmp_path: Path
+) -> None:
+    """Within the reference's own float32 sensitivity of one process (the shards' wire is
+    float32: `tests/bounds.py`). The worker dies before clock 8 and resumes at its clock;
+    the shard dies before update 16 and restores update 15 (checkpoints every 5), and the
+    pushes it missed are retried: nothing is lost, so the run is still synchronous SGD."""
+    faults = {"kill_at_steps": [8], "rank": 1, "kill_shard_at_updates": [16], "shard": 0}
+    raw = spec(
+        tmp_path / "ps", steps=20, consistency="bsp", checkpoint_every_updates=5, faults=faults
+    )
+    summary = run_parameter_server(config_from_dict(raw))
+    ps = summary["ps"]
+    assert ps["worker_restarts"] == [0, 1] and summary["restarts"] == 2
+    assert ps["shard_failures"] == [{"shard": 0, "restored_version": 15, "updates_lost": 0}]
+    assert ps["staleness_max"] == 0 and ps["updates"] == 20
+    assert ps["lr_factor_mean"] == 1.0  # bsp: every update at staleness 0
+
+    reference, sensitivity = float32_sensitivity(raw, tmp_path / "reference")
+    bound = sensitivity_bound(sensitivity)
+    diff = max_difference(final_weights(summary), reference)
+    print(f"max |ps bsp, killed twice - one process| = {diff:.3g} (bound {bound:.3g})")
+    assert diff < bound  # measured: 0 (the same sums in the same order)
+    assert_trained(reference, raw)
 
     # The final checkpoint is a standard one: DDP continues from it.
-    later = spec(tmp_path / "ddp", steps=12)
+    later = spec(tmp_path / "ddp", steps=22)
     later["strategy"] = {"kind": "ddp"}
     later["scaling"] = {"num_workers": 1}
     resumed = run_processes(
@@ -58,12 +88,17 @@ def test_bsp_equals_synchronous_sgd_after_10_clocks(ray_cluster: None, tmp_path:
         out_dir=tmp_path / "ddp-out",
         resume_from=Path(summary["final_checkpoint"]),
     )
-    assert resumed["resumed_from_step"] == 10
+    assert resumed["resumed_from_step"] == 20
 
 
-def test_ssp_holds_its_bound_while_a_4x_straggler_makes_others_wait(
+def test_ssp_holds_its_bound_while_a_4x_straggler_makes_others_wait_tracked_in_mlflow(
     ray_cluster: None, tmp_path: Path
 ) -> None:
+    """Through `run_job`, as `trainstack run` starts a ps job: one MLflow run."""
+    import mlflow
+
+    from trainstack.runtime.launcher import run_job
+
     raw = spec(
         tmp_path,
         workers=3,
@@ -74,11 +109,21 @@ def test_ssp_holds_its_bound_while_a_4x_straggler_makes_others_wait(
     )
     raw["train"]["global_batch_size"] = 15
     raw["train"]["micro_batch_size"] = 5
-    summary = run_parameter_server(config_from_dict(raw))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    raw["tracking"] = {"backend": "mlflow", "uri": uri}
+    summary = run_job(config_from_dict(raw))
     ps = summary["ps"]
     assert ps["clock_gap_max"] <= 2
     assert ps["waits"] > 0  # the fast workers reached the bound and blocked
     assert ps["staleness_max"] > 0
+    assert ps["lr_factor_mean"] == 1.0  # staleness_lr: none leaves stale pushes' lr alone
+
+    assert summary["tracking_error"] is None
+    run = mlflow.MlflowClient(tracking_uri=uri).get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["strategy.consistency"] == "ssp"
+    assert run.data.metrics["final/ps.staleness_max"] == ps["staleness_max"]
+    assert "loss" in run.data.metrics  # progress records logged while it ran
 
 
 def test_async_learns_and_rejects_what_is_staler_than_the_bound(
@@ -97,62 +142,29 @@ def test_async_learns_and_rejects_what_is_staler_than_the_bound(
     ps = summary["ps"]
     assert ps["rejected"] > 0
     assert ps["updates"] * ps["num_shards"] + ps["rejected"] == ps["pushes"]
-    # Measured: 1.21 (async: the figure varies run to run), against the floor's 1.14 and
-    # the untrained model's 2.69 (ln 16 = 2.77).
+    # inverse, alpha 1: a push applied at staleness 1 (the bound) takes half the lr, one
+    # at 0 all of it; the straggler's pushes are stale (measured: a mean of 0.78 to 0.92).
+    print(f"async: lr factor mean {ps['lr_factor_mean']:.3f}, loss {summary['final_loss']:.3f}")
+    assert 0.5 <= ps["lr_factor_mean"] < 1.0
+    # Measured: 1.30 to 1.34 (async: it varies run to run), against the floor's 1.14, a
+    # context-blind model's 2.42 and the untrained model's 2.69 (ln 16 = 2.77).
     assert summary["final_loss"] < summary["entropy_floor"] + 0.6
-
-
-def test_killed_worker_and_shard_are_restarted_and_the_run_finishes(
-    ray_cluster: None, tmp_path: Path
-) -> None:
-    # bsp: an unkilled run is deterministic, so the comparison measures the failures only.
-    common = {"steps": 40, "consistency": "bsp", "checkpoint_every_updates": 5}
-    calm = run_parameter_server(config_from_dict(spec(tmp_path / "calm", **common)))
-    faults = {"kill_at_steps": [15], "rank": 1, "kill_shard_at_updates": [33], "shard": 0}
-    chaos = run_parameter_server(
-        config_from_dict(spec(tmp_path / "chaos", faults=faults, **common))
-    )
-    ps = chaos["ps"]
-    assert ps["worker_restarts"] == [0, 1]
-    [lost] = ps["shard_failures"]
-    assert lost["shard"] == 0 and lost["restored_version"] == 30
-    assert 0 <= lost["updates_lost"] <= 5
-    assert chaos["restarts"] == 2
-    # Measured: 0.5% apart (two updates lost on one shard of two).
-    assert abs(chaos["final_loss"] - calm["final_loss"]) < 0.03 * calm["final_loss"]
 
 
 def test_compressed_pushes_send_fewer_bytes_and_still_learn(
     ray_cluster: None, tmp_path: Path
 ) -> None:
     raw = spec(tmp_path, steps=30, consistency="async")
-    raw["compression"] = {"kind": "topk", "ratio": 0.05, "min_numel": 256}
+    raw["compression"] = {"kind": "topk", "ratio": 0.1, "min_numel": 256}
     summary = run_parameter_server(config_from_dict(raw))
-    assert summary["ps"]["compression_ratio"] > 4
-    # Measured: 2.13, against the floor's 1.14 and the untrained model's 2.69.
-    assert summary["final_loss"] < summary["entropy_floor"] + 1.3
+    assert summary["ps"]["compression_ratio"] > 4  # measured: 4.96 (values and indices)
+    print(f"compressed async: final loss {summary['final_loss']:.3f}")
+    # Measured: 1.91 to 1.94 (async: it varies run to run), against a context-blind
+    # model's 2.42 (`tests/bounds.py`), the floor's 1.14 and the untrained model's 2.69.
+    assert summary["final_loss"] < context_blind_loss(raw) - 0.25
 
 
-def test_ps_job_through_run_job_is_tracked_in_mlflow(ray_cluster: None, tmp_path: Path) -> None:
-    import mlflow
-
-    from trainstack.runtime.launcher import run_job
-
-    raw = spec(tmp_path, steps=10, consistency="ssp", staleness_bound=1)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    raw["tracking"] = {"backend": "mlflow", "uri": uri}
-    summary = run_job(config_from_dict(raw))
-    assert summary["tracking_error"] is None
-    run = mlflow.MlflowClient(tracking_uri=uri).get_run(summary["mlflow_run_id"])
-    assert run.info.status == "FINISHED"
-    assert run.data.params["strategy.consistency"] == "ssp"
-    # Both workers compute each clock from the same version, so the second push of a
-    # clock is one update stale (measured: max 1, mean 0.5); untracked, it would be 0.
-    staleness = summary["ps"]["staleness_max"]
-    assert staleness >= 1 and run.data.metrics["final/ps.staleness_max"] == staleness
-    assert "loss" in run.data.metrics  # progress records logged while it ran
-
-
+@pytest.mark.timeout(180)
 def test_workers_that_find_no_room_end_the_run_after_start_timeout_s(
     ray_cluster: None, tmp_path: Path
 ) -> None:
@@ -169,9 +181,41 @@ def test_workers_that_find_no_room_end_the_run_after_start_timeout_s(
         "the cluster did not make room for scaling.num_workers=8 (8 CPU) within "
         "scaling.start_timeout_s=1 s;"
     )
-    # the actors that did start are taken back: every CPU comes free again
+    # the actors that did start are taken back: every CPU comes free again (Ray frees
+    # them as the actors exit; were they left alive, the test's timeout ends the wait)
     total = ray.cluster_resources()["CPU"]
-    deadline = time.time() + 10
-    while ray.available_resources().get("CPU") != total and time.time() < deadline:
+    while ray.available_resources().get("CPU") != total:
         time.sleep(0.1)
-    assert ray.available_resources().get("CPU") == total
+
+
+@pytest.mark.timeout(120)
+def test_an_actor_knows_it_was_restarted_without_a_deprecation_warning(ray_cluster: None) -> None:
+    """Shards and workers count their restarts with `actor_was_restarted`; a submitted ps
+    job's log once showed Ray's deprecation warning for the accessor it went through."""
+    import os
+    import warnings
+
+    import ray
+
+    @ray.remote(max_restarts=1, num_cpus=0)
+    class Restartable:
+        def check(self) -> tuple[bool, list[str]]:
+            from trainstack.telemetry import actor_was_restarted
+
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                restarted = actor_was_restarted()
+            return restarted, [f"{w.category.__name__}: {w.message}" for w in seen]
+
+        def die(self) -> None:
+            os._exit(1)
+
+    actor = Restartable.remote()  # type: ignore[attr-defined]
+    assert ray.get(actor.check.remote()) == (False, [])
+    actor.die.remote()
+    while True:  # calls fail until the restarted actor is up (the test's timeout guards)
+        try:
+            assert ray.get(actor.check.remote()) == (True, [])
+            break
+        except ray.exceptions.RayActorError:
+            time.sleep(0.2)

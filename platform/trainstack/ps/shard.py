@@ -5,8 +5,9 @@ one clock from every worker and applies them together (`bsp`). Its version count
 the updates it has applied; a push carries the version of the parameters its
 gradient was computed from, and its staleness is the difference. The learning rate
 of a push follows the job's schedule at the pushing worker's clock, optionally
-divided by 1 + a·staleness; with `reject_beyond_bound` a push staler than the bound
-is dropped and counted.
+divided by 1 + a·staleness (`staleness_lr_factor`; the shard keeps each update's factor,
+which the summary reports as `ps.lr_factor_mean`); with `reject_beyond_bound` a push
+staler than the bound is dropped and counted.
 
 Every `checkpoint_every_updates` updates the shard saves its parameters, optimizer
 state and version (atomically, with a sha256 beside it) and, restarted by Ray after a
@@ -40,6 +41,15 @@ Push = np.ndarray | list[tuple[tuple[int, ...], list[np.ndarray]]]
 (shape, payload parts) per parameter."""
 
 
+def staleness_lr_factor(staleness: int, *, rule: str, alpha: float) -> float:
+    """What a push's scheduled learning rate is multiplied by for its staleness (updates
+    applied since its parameters were pulled): 1 under `strategy.staleness_lr: none`,
+    1 / (1 + alpha·staleness) under `inverse`."""
+    if rule == "inverse":
+        return 1.0 / (1.0 + alpha * staleness)
+    return 1.0
+
+
 class ParameterServerShard:
     def __init__(
         self,
@@ -68,6 +78,8 @@ class ParameterServerShard:
         self.version = 0
         self.pending: dict[int, list[torch.Tensor]] = {}
         self.staleness: list[int] = []
+        self.lr_factors: list[float] = []
+        """Each applied update's `staleness_lr_factor`."""
         self.rejected = 0
         self.bytes_received = 0
         self.apply_s = 0.0
@@ -138,9 +150,9 @@ class ParameterServerShard:
 
     def _apply(self, flat: torch.Tensor, *, clock: int, staleness: int) -> None:
         s, o = self.cfg.strategy, self.cfg.optim
-        lr = self.base_lr * lr_multiplier(clock, o, total_steps=self.cfg.train.steps)
-        if s.staleness_lr == "inverse":
-            lr /= 1.0 + s.staleness_alpha * staleness
+        factor = staleness_lr_factor(staleness, rule=s.staleness_lr, alpha=s.staleness_alpha)
+        self.lr_factors.append(factor)
+        lr = self.base_lr * lr_multiplier(clock, o, total_steps=self.cfg.train.steps) * factor
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         offset = 0
@@ -165,6 +177,7 @@ class ParameterServerShard:
             "params": [p.detach().clone() for p in self.params],
             "optimizer": self.optimizer.state_dict(),
             "staleness": torch.tensor(self.staleness, dtype=torch.int64),
+            "lr_factors": torch.tensor(self.lr_factors, dtype=torch.float64),
             "rejected": self.rejected,
         }
         path = self._path(self.version)
@@ -187,6 +200,7 @@ class ParameterServerShard:
             self.optimizer.load_state_dict(state["optimizer"])
             self.version = int(state["version"])
             self.staleness = state["staleness"].tolist()
+            self.lr_factors = state["lr_factors"].tolist()
             self.rejected = int(state["rejected"])
             return self.version
         return None
@@ -205,6 +219,7 @@ class ParameterServerShard:
             "index": self.index,
             "version": self.version,
             "staleness": self.staleness,
+            "lr_factors": self.lr_factors,
             "rejected": self.rejected,
             "bytes_received": self.bytes_received,
             "apply_s": self.apply_s,

@@ -4,9 +4,10 @@
 The driver connects to Ray (an address, else an embedded local instance), picks the
 checkpoint to start from, starts a `TorchTrainer` with one actor per worker, and
 follows the run through a small Ray queue actor: rank 0's log records and the run's
-events (group starts, injected faults, failures the controller saw). The driver
-renders progress, talks to MLflow and counts restarts; it lives across worker-group
-restarts, so one job is one MLflow run however often its workers die.
+events (each start attempt of the group, group starts, injected faults, failures the
+controller saw). The driver renders progress, talks to MLflow and counts restarts; it
+lives across worker-group restarts, so one job is one MLflow run however often its
+workers die.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import ray
 import ray.train
 import ray.train.torch
 from ray.train.torch import TorchTrainer
+from ray.train.v2._internal.execution.callback import ControllerCallback
 from ray.util.queue import Empty, Queue
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -119,6 +121,24 @@ class FailureWatch(ray.train.UserCallback):
             self.events.put_nowait(
                 {"event": "failure", "rank": rank, "error": last_line[:300], "time": time.time()}
             )
+
+
+class StartAttemptWatch(ControllerCallback):
+    """Runs in the Train controller: tells the driver each time it starts the worker group
+    (the first start, a restart after a failure, a retry of a start that found no room
+    within `scaling.start_timeout_s`) as a `start_attempt` event, which `on_record` sees."""
+
+    def __init__(self, events: Queue) -> None:
+        self.events = events
+
+    def on_controller_start_worker_group(
+        self, *, scaling_config: Any, num_workers: int
+    ) -> dict[str, str] | None:
+        with contextlib.suppress(Exception):
+            self.events.put_nowait(
+                {"event": "start_attempt", "workers": num_workers, "time": time.time()}
+            )
+        return None  # no label selector: the group is placed as the scaling config says
 
 
 def on_this_node() -> NodeAffinitySchedulingStrategy:
@@ -413,7 +433,7 @@ def run_job(
             name=cfg.name,
             **_ray_storage(cfg, checkpoints),
             failure_config=_failure_config(cfg),
-            callbacks=[FailureWatch(events)],  # type: ignore[list-item]
+            callbacks=[FailureWatch(events), StartAttemptWatch(events)],  # type: ignore[list-item]
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # type: ignore[call-arg]
             worker_runtime_env={"env_vars": worker_env(cfg)},
         ),
