@@ -7,6 +7,7 @@ the rest of the suite starts Ray on a quiet machine.
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,12 @@ _shared: list[SimulatedCluster] = []
 """The folder's cluster once started (at most one)."""
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 @pytest.fixture
 def sim_cluster() -> SimulatedCluster:
     if not _shared:
@@ -29,10 +36,11 @@ def sim_cluster() -> SimulatedCluster:
             initialize_head=True,
             head_node_args={
                 "num_cpus": 0,
-                # The dashboard serves Ray's state API (leftover actors, placement groups).
-                # No port given: Ray binds 8265 or the next free one itself.
+                # The dashboard serves Ray's state API (leftover actors, placement groups),
+                # on a free port: Ray refuses to start when its default 8265 is taken.
                 "include_dashboard": True,
                 "dashboard_host": "127.0.0.1",
+                "dashboard_port": free_port(),
                 "object_store_memory": 80 * 2**20,
                 "_system_config": FAST_FAILURE_DETECTION,
             },

@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 from ray.cluster_utils import Cluster
+from ray.util import state
 
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 
@@ -56,6 +57,19 @@ class SimulatedCluster:
         """Remove `node` the hard way, as a lost machine: its processes are SIGKILLed."""
         (self.nodes if node in self.nodes else self.service_nodes).remove(node)
         self.cluster.remove_node(node, allow_graceful=False)
+
+    def running_training(self) -> Any:
+        """The oldest live worker node that hosts one of Ray Train's workers now: losing
+        it fails the group for certain (a node that only joined may host none yet)."""
+        hosts = {
+            actor.node_id
+            for actor in state.list_actors(filters=[("state", "=", "ALIVE")])
+            if actor.class_name == "RayTrainWorker"
+        }
+        for node in self.nodes:
+            if node.node_id in hosts:
+                return node
+        raise AssertionError(f"no worker node of this harness hosts a Ray Train worker: {hosts}")
 
     def workers(self, count: int) -> list[Any]:
         """Make exactly `count` worker nodes live (adding or removing) and wait for Ray to
