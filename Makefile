@@ -17,8 +17,8 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q $(TORCH_SPEC) 2>&1 | $(QUIET_PIP)
-	$(PY) -m pip install -q -e '.[dev]' 2>&1 | $(QUIET_PIP)
+	$(PY) -m pip install -q --no-compile $(TORCH_SPEC) 2>&1 | $(QUIET_PIP)
+	$(PY) -m pip install -q --no-compile -e '.[dev]' 2>&1 | $(QUIET_PIP)
 	$(PY) -c 'import torch, ray, deepspeed, mlflow, trainstack' >/dev/null 2>&1
 	touch $(STAMP)
 
@@ -53,8 +53,9 @@ browser:
 	  echo "make: no chromium/chromedriver here: the dashboard browser test will skip"
 
 # Lint, then mypy (about 45 s from a cold cache) beside the unit tests, which need no Ray
-# and run on every core (pytest-xdist); then the rest of the suite, whose tests start
-# processes and clusters of their own, one at a time.
+# and run on every core (pytest-xdist); then the rest of the suite in two workers: the
+# Ray layers one test at a time in one, the gloo-process layer in the other
+# (tests/conftest.py groups them).
 UNIT := mkdir -p .cache; $(VENV)/bin/mypy platform/trainstack > .cache/mypy.log 2>&1 & typing=$$!; \
 	  unit=0; $(PY) -m pytest tests/unit -n auto || unit=$$?; \
 	  typed=0; wait $$typing || typed=$$?; cat .cache/mypy.log; \
@@ -64,7 +65,7 @@ test: $(STAMP) browser
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
 	$(UNIT)
-	$(PY) -m pytest tests --ignore=tests/unit
+	$(PY) -m pytest tests --ignore=tests/unit -n 2 --dist loadgroup
 
 # The inner loop (about 4 minutes): lint, types, unit and the gloo-process layer.
 test-fast: $(STAMP)
