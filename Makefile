@@ -40,6 +40,7 @@ LINTED := platform jobs tune tests tests/dist benchmarks examples dashboards
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy platform/trainstack
 
 # Headless Chromium and its driver from Debian's packages, for the dashboard browser test
@@ -53,9 +54,8 @@ browser:
 	  echo "make: no chromium/chromedriver here: the dashboard browser test will skip"
 
 # Lint, then mypy (about 45 s from a cold cache) beside the unit tests, which need no Ray
-# and run on every core (pytest-xdist); then the rest of the suite in two workers: the
-# Ray layers one test at a time in one, the gloo-process layer in the other
-# (tests/conftest.py groups them).
+# and run on every core (pytest-xdist); then the rest of the suite, whose tests start
+# processes and clusters of their own, one at a time.
 UNIT := mkdir -p .cache; $(VENV)/bin/mypy platform/trainstack > .cache/mypy.log 2>&1 & typing=$$!; \
 	  unit=0; $(PY) -m pytest tests/unit -n auto || unit=$$?; \
 	  typed=0; wait $$typing || typed=$$?; cat .cache/mypy.log; \
@@ -64,13 +64,15 @@ UNIT := mkdir -p .cache; $(VENV)/bin/mypy platform/trainstack > .cache/mypy.log 
 test: $(STAMP) browser
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
+	$(VENV)/bin/lint-imports
 	$(UNIT)
-	$(PY) -m pytest tests --ignore=tests/unit -n 2 --dist loadgroup
+	$(PY) -m pytest tests --ignore=tests/unit
 
 # The inner loop (about 4 minutes): lint, types, unit and the gloo-process layer.
 test-fast: $(STAMP)
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
+	$(VENV)/bin/lint-imports
 	$(UNIT)
 	$(PY) -m pytest tests/dist
 

@@ -47,8 +47,8 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from trainstack import checkpoint as ckpt  # noqa: E402
 from trainstack.config import config_from_dict  # noqa: E402
+from trainstack.runtime.gloo_processes import run_processes  # noqa: E402
 from trainstack.runtime.launcher import RunFailedError, run_job  # noqa: E402
-from trainstack.runtime.local import run_processes  # noqa: E402
 
 from multinode import FAST_FAILURE_DETECTION, WORKER_NODE, SimulatedCluster  # noqa: E402
 

@@ -25,7 +25,7 @@ import yaml
 
 from trainstack.compression import COLLECTIVES, modelled_comm_seconds
 from trainstack.config import config_from_dict
-from trainstack.runtime.local import run_processes
+from trainstack.runtime.gloo_processes import run_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSSY: list[tuple[str, dict[str, Any]]] = [

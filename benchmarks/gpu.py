@@ -8,7 +8,7 @@ For each GPT size (block 1024, GPT-2's 50,304-token vocabulary, random token fil
     autocast, fused AdamW, batches of the same token file.
 Reported: steady-state tokens/s (after `--warmup` steps), MFU for both from one count
 (6 FLOPs a parameter a token plus attention's 12·L·h·T, the PaLM paper's) against the
-device's peak (`trainstack.metrics.PEAK_FLOPS`), peak memory, and trainstack/raw.
+device's peak (`trainstack.observe.throughput.PEAK_FLOPS`), peak memory, and trainstack/raw.
 
     python benchmarks/gpu.py --sizes 124M 355M 1.3B --layouts ddp zero2 zero3 fsdp
     python benchmarks/gpu.py --device cpu --sizes tiny --steps 6   # checks the script
@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 from trainstack.config import ModelConfig, config_from_dict
 from trainstack.data.tokens import write_token_file
-from trainstack.metrics import device_peak_flops, mfu
 from trainstack.models.gpt import GPT
+from trainstack.observe.throughput import device_peak_flops, mfu
 
 
 @dataclass(frozen=True)

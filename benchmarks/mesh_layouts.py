@@ -27,7 +27,7 @@ import torch
 
 from trainstack.config import config_from_dict
 from trainstack.runtime.capacity import model_state
-from trainstack.runtime.local import run_processes
+from trainstack.runtime.gloo_processes import run_processes
 from trainstack.strategies.zero import zero_model_state_formula
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -31,7 +31,7 @@ from trainstack.data import build_corpus
 from trainstack.data.sharding import DataCursor, ShardedBatches
 from trainstack.models import build_model
 from trainstack.optim import build_optimizer, build_scheduler
-from trainstack.runtime.local import rendezvous
+from trainstack.runtime.gloo_processes import rendezvous
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

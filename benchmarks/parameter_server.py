@@ -60,7 +60,7 @@ from trainstack.data import build_corpus
 from trainstack.data.sharding import ShardedBatches
 from trainstack.models import build_model
 from trainstack.optim import build_optimizer, lr_multiplier, scaled_lr
-from trainstack.ps.driver import _held_out, run_parameter_server
+from trainstack.runtime.ps_job import _held_out, run_parameter_server
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch
 
 from trainstack.config import ConfigError, config_from_dict
 from trainstack.models import build_model
-from trainstack.runtime.local import run_processes
+from trainstack.runtime.gloo_processes import run_processes
 from trainstack.strategies.pipeline_probe import SavedActivationMeter
 from trainstack.tasks import build_task
 

@@ -35,7 +35,7 @@ import torch
 
 from trainstack.config import config_from_dict
 from trainstack.models import build_model
-from trainstack.runtime.local import run_processes
+from trainstack.runtime.gloo_processes import run_processes
 
 FP64_BOUND = 1e-9
 """Weights of a float64 layout and its one-process reference after a short run (measured:

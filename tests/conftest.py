@@ -40,20 +40,3 @@ def refuse_ray_start(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", refuse)
-
-
-RAY_LAYERS = ("cluster", "e2e", "ray")
-"""Folders whose tests start Ray instances: one at a time, in one process (each
-instance's Train controller asks the newest instance on the machine about its runs)."""
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under `pytest -n 2 --dist loadgroup` (make test), the Ray layers run one after
-    another in one worker while the gloo-process layer runs in the other: a Ray test
-    spends much of its time waiting on processes and health checks, and the process
-    tests fill that time. Without xdist the marks do nothing."""
-    tests = Path(__file__).resolve().parent
-    for item in items:
-        layer = Path(item.path).resolve().relative_to(tests).parts[0]
-        group = "ray" if layer in RAY_LAYERS else "processes"
-        item.add_marker(pytest.mark.xdist_group(group))

@@ -18,7 +18,7 @@ try:
 except ImportError:  # run from a checkout that was not pip-installed (e.g. --working-dir .)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "platform"))
 
-from trainstack.cli import add_sweep_arguments, sweep_command
+from trainstack.cli.sweep import add_sweep_arguments, sweep_command
 
 
 def main() -> int:

@@ -43,7 +43,8 @@ import torch.distributed as dist
 import trainstack
 from trainstack import sharded_checkpoint as sharded
 from trainstack.config import ConfigError, JobConfig, config_from_dict, config_to_dict
-from trainstack.config_fields import first_line, show
+from trainstack.errors import first_line, show
+from trainstack.files import file_sha256, write_text_atomically
 from trainstack.storage import (
     Location,
     StorePath,
@@ -51,7 +52,6 @@ from trainstack.storage import (
     delete_tree,
     is_store_uri,
     local_storage,
-    open_binary,
     open_location,
     size_of,
 )
@@ -154,33 +154,11 @@ def spec_hash(spec: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
-def file_sha256(path: Location) -> str:
-    """The file's sha256, streamed (from the store, for a store's file)."""
-    digest = hashlib.sha256()
-    with open_binary(path) as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def save_atomically(obj: Any, path: Path) -> None:
     """torch.save to a temporary name beside `path`, then rename: never a half file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def write_text_atomically(path: Location, text: str) -> None:
-    """Write `text` to a temporary name beside `path`, then rename: never a half file (in
-    an object store, one upload, which shows the whole object or none of it)."""
-    if isinstance(path, StorePath):
-        with _store_errors(path):
-            path.write_text(text)
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
     os.replace(tmp, path)
 
 

@@ -8,6 +8,7 @@ allowed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,14 +45,9 @@ from trainstack.config_checks import (  # noqa: F401  (re-exported for callers)
     TRACKING_BACKENDS,
     validate,
 )
-from trainstack.config_fields import (
-    ConfigError,
-    build_section,
-    field_types,
-    got,
-    section_to_dict,
-    show,
-)
+from trainstack.config_fields import build_section, field_types, section_to_dict
+from trainstack.errors import ConfigError, got, show
+from trainstack.strategy_kinds import kind_of
 
 
 @dataclass(kw_only=True)
@@ -357,6 +353,11 @@ class ScalingConfig:
     def elastic(self) -> bool:
         return self.min_workers > 0
 
+    @property
+    def torch_threads(self) -> int:
+        """Intra-op threads per worker: the CPUs it reserved, at least one."""
+        return max(1, math.floor(self.cpus_per_worker))
+
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
@@ -462,7 +463,7 @@ class JobConfig:
         """The replica (data-parallel rank) that global `rank` belongs to: the ranks of one
         pipeline and of one tensor-parallel group see the same samples (pipeline: rank =
         (stage × d + replica) × t + tp rank; fsdp: rank = replica × t + tp rank)."""
-        if self.strategy.kind in ("fsdp", "pipeline"):
+        if kind_of(self).mesh:
             return (rank // self.strategy.tensor_parallel) % self.data_parallel_size
         return rank % self.data_parallel_size
 

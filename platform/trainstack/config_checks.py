@@ -11,9 +11,11 @@ import math
 import re
 from typing import TYPE_CHECKING, Any
 
-from trainstack.config_fields import ConfigError, parse_quantity, show
 from trainstack.config_layout import validate_mesh
+from trainstack.errors import ConfigError, show
 from trainstack.storage import check_uri, is_store_uri
+from trainstack.strategy_kinds import KINDS, kind_of
+from trainstack.units import parse_quantity
 
 if TYPE_CHECKING:
     from trainstack.config import (
@@ -55,7 +57,7 @@ PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp64")
 OPTIM_KINDS: tuple[str, ...] = ("adamw", "sgd")
 LR_SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
 LR_SCALINGS: tuple[str, ...] = ("none", "linear", "sqrt")
-STRATEGY_KINDS: tuple[str, ...] = ("ddp", "zero", "fsdp", "pipeline", "ps", "auto")
+STRATEGY_KINDS: tuple[str, ...] = tuple(KINDS)
 PS_CONSISTENCY: tuple[str, ...] = ("async", "ssp", "bsp")
 PS_STALENESS_LR: tuple[str, ...] = ("none", "inverse")
 PIPELINE_SCHEDULES: tuple[str, ...] = (
@@ -578,26 +580,11 @@ def _validate_parameter_server(cfg: JobConfig) -> None:
             f"optim.grad_clip={cfg.optim.grad_clip} is not supported with strategy.kind=ps "
             "(no shard sees the whole gradient); set optim.grad_clip=0"
         )
-    if cfg.model.kind not in BUILTIN_MODEL_KINDS:
-        return  # counted when the model is built, before Ray starts (runtime/preflight.py)
-    tensors = _parameter_tensors(cfg)
-    if s.num_shards > tensors:
-        raise ConfigError(
-            f"strategy.num_shards={s.num_shards} is more than the model's {tensors} parameter "
-            f"tensors; allowed: 1 to {tensors}"
-        )
+    # More shards than parameter tensors: refused once the model is built, before Ray
+    # starts (runtime/preflight.py); the spec alone does not know the model.
     workers = cfg.scaling.num_workers
     _require("faults.slow_rank", -1 <= f.slow_rank < workers, f.slow_rank, f"-1 to {workers - 1}")
     _require("faults.shard", 0 <= f.shard < s.num_shards, f.shard, f"0 to {s.num_shards - 1}")
-
-
-def _parameter_tensors(cfg: JobConfig) -> int:
-    """The built-in model's parameter tensors (a shared one counted once), by formula:
-    building even a meta-device model of thousands of layers takes minutes."""
-    from trainstack.models import MODELS
-
-    _, tensors = MODELS[cfg.model.kind].count_parameters(cfg.model, vocab_size=cfg.data.vocab_size)
-    return tensors
 
 
 def _validate_deepspeed_pipeline(cfg: JobConfig) -> None:
@@ -898,12 +885,15 @@ def _validate_fp64(cfg: JobConfig) -> None:
     wire is float32, the codecs pack float32)."""
     if cfg.train.precision != "fp64":
         return
-    s = cfg.strategy
-    engine = s.kind if s.kind != "pipeline" else f"pipeline engine {s.engine}"
-    if s.kind in ("zero", "ps", "auto") or (s.kind == "pipeline" and s.engine != "torch"):
+    kind = kind_of(cfg)
+    if not kind.float64 or kind.engine_of(cfg) != "torch":
+        engine = kind.name
+        if kind.engine == "strategy.engine":
+            engine += f" engine {cfg.strategy.engine}"
+        allowed = [k.name for k in KINDS.values() if k.float64]
         raise ConfigError(
             f"train.precision=fp64 with strategy.kind={engine}: float64 training runs on "
-            "the torch engines only; allowed: strategy.kind ddp, fsdp or pipeline (engine "
+            f"the torch engines only; allowed: strategy.kind {', '.join(allowed)} (engine "
             "torch), or precision fp32 / bf16"
         )
     if cfg.compression.kind != "none":

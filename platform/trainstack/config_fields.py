@@ -10,15 +10,11 @@ from __future__ import annotations
 import copy
 import difflib
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import fields, is_dataclass
 from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
-
-class ConfigError(ValueError):
-    """A job spec the user must fix; the message is one line."""
-
+from trainstack.errors import ConfigError, got, show
 
 _TRUE_WORDS = frozenset({"true", "yes", "1"})
 _FALSE_WORDS = frozenset({"false", "no", "0"})
@@ -158,51 +154,3 @@ def _to_tuple(value: object, item_hints: tuple[Any, ...], *, key: str) -> tuple[
 
 def _is_scalar(value: object) -> bool:
     return isinstance(value, (int, float, bool))
-
-
-def show(value: object) -> str:
-    """A short one-line rendering of a user value for messages."""
-    try:
-        text = repr(value)
-    except ValueError:  # an int past Python's digit limit for str()
-        text = "a very large integer"
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def first_line(error: BaseException) -> str:
-    """The first line of `error`'s message, or its type's name when it has none: what a
-    one-line error says of an exception from a library."""
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
-
-
-def got(value: object) -> str:
-    return "null" if value is None else f"{show(value)} ({type(value).__name__})"
-
-
-BYTE_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_QUANTITY = re.compile(r"(\d+(?:\.\d*)?(?:e[+-]?\d+)?)\s*([a-z]*)", re.IGNORECASE)
-
-
-def parse_quantity(key: str, text: str, *, units: bool, example: str, suffix: str = "") -> float:
-    """`80GB`, `16GiB`, `100GB/s` (with `suffix` "/s"), `989e12` as a positive number
-    (GB = 1e9 bytes, GiB = 2**30); ConfigError naming `key` (a spec key or a flag)."""
-    body = text.strip().removesuffix(suffix)
-    match = _QUANTITY.fullmatch(body)
-    unit = match[2].lower() if match else ""
-    if match is None or unit not in BYTE_UNITS or (unit and not units) or float(match[1]) <= 0:
-        form = "a positive number"
-        if units:
-            form += " with an optional unit B, KB, MB, GB, TB, KiB, MiB, GiB or TiB"
-        raise ConfigError(f"{key}={text}: not a quantity; allowed: {form}, e.g. {example}")
-    return float(match[1]) * BYTE_UNITS[unit]

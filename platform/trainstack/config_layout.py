@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainstack.config_fields import ConfigError
+from trainstack.errors import ConfigError
 
 if TYPE_CHECKING:
     from trainstack.config import JobConfig

@@ -23,7 +23,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from trainstack.config_fields import ConfigError, first_line, show
+from trainstack.errors import ConfigError, first_line, show
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from trainstack.config_fields import ConfigError
+from trainstack.errors import ConfigError
 
 
 def import_target(path: str, *, key: str) -> Any:

@@ -18,8 +18,8 @@ from ray.util import state
 from trainstack import checkpoint as ckpt
 from trainstack.cli import main
 from trainstack.config import config_from_dict
+from trainstack.runtime.gloo_processes import run_processes
 from trainstack.runtime.launcher import run_job
-from trainstack.runtime.local import run_processes
 
 from multinode import WORKER_NODE, SimulatedCluster
 

@@ -16,7 +16,7 @@ import torch
 
 from trainstack.config import config_from_dict
 from trainstack.planner.choose import resolve_auto
-from trainstack.runtime.local import run_processes
+from trainstack.runtime.gloo_processes import run_processes
 
 from bounds import FP64_BOUND, assert_trained, context_blind_loss, max_difference, one_process
 

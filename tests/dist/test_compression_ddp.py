@@ -28,7 +28,7 @@ from trainstack.compression.lowrank import initial_q, low_rank_shape, orthonorma
 from trainstack.compression.sparsify import sparse_k
 from trainstack.config import CompressionConfig, ModelConfig, OptimConfig
 from trainstack.models import build_model
-from trainstack.runtime.local import rendezvous
+from trainstack.runtime.gloo_processes import rendezvous
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trainstack.config import config_from_dict
-from trainstack.runtime.local import run_processes
+from trainstack.runtime.gloo_processes import run_processes
 
 # The tolerance each method is held to: final held-out loss relative to uncompressed
 # DDP after the same 300 steps, with the defaults (error feedback, AdamW's moments on

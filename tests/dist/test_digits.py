@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from trainstack.config import load_config
-from trainstack.runtime.local import run_processes
+from trainstack.runtime.gloo_processes import run_processes
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -20,7 +20,7 @@ from trainstack.planner.choose import layout_of
 from trainstack.planner.memory import model_state_bytes
 from trainstack.planner.workload import workload_from_spec
 from trainstack.runtime.capacity import model_state
-from trainstack.runtime.local import run_processes
+from trainstack.runtime.gloo_processes import run_processes
 
 from bounds import (
     FP64_BOUND,

@@ -15,7 +15,7 @@ from trainstack import checkpoint as ckpt
 from trainstack.cli import main as cli_main
 from trainstack.config import config_from_dict
 from trainstack.models import build_model
-from trainstack.runtime.local import run_processes
+from trainstack.runtime.gloo_processes import run_processes
 
 from bounds import FP64_BOUND, assert_trained, held_out_loss, max_difference
 

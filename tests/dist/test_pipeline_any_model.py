@@ -30,7 +30,7 @@ from torch import nn
 from trainstack.config import ModelConfig, config_from_dict
 from trainstack.models import build_model
 from trainstack.optim import build_optimizer, build_scheduler
-from trainstack.runtime.local import rendezvous
+from trainstack.runtime.gloo_processes import rendezvous
 from trainstack.strategies import WorkerContext, build_strategy
 from trainstack.strategies.base import weight_dtype
 from trainstack.tasks import EvalSums, build_task, evaluate
@@ -280,7 +280,7 @@ def _worker(rank: int, raw: dict[str, Any], model: str, init_method: str, out: s
 def run_pipeline(raw: dict[str, Any], model: str, out: Path) -> list[dict[str, Any]]:
     """Every rank's results: stage files, comm bytes, eval sums and grad norms."""
     out.mkdir(parents=True, exist_ok=True)
-    multiprocessing.set_forkserver_preload(["trainstack.runtime.local"])
+    multiprocessing.set_forkserver_preload(["trainstack.runtime.gloo_processes"])
     world = raw["scaling"]["num_workers"]
     args = (raw, model, rendezvous(out), str(out))
     mp.start_processes(_worker, args=args, nprocs=world, start_method="forkserver")

@@ -14,7 +14,7 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 from trainstack import checkpoint as ckpt
 from trainstack.config import config_from_dict
 from trainstack.models import build_model
-from trainstack.runtime.local import run_processes
+from trainstack.runtime.gloo_processes import run_processes
 from trainstack.strategies.pipeline_deepspeed import (
     TiedWeight,
     deepspeed_layers,

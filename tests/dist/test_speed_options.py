@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from trainstack.config import config_from_dict
-from trainstack.runtime.local import run_processes
+from trainstack.runtime.gloo_processes import run_processes
 
 from bounds import FP64_BOUND, assert_trained, max_difference
 

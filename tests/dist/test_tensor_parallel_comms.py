@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from trainstack.config import ModelConfig, config_from_dict
 from trainstack.models import build_model
 from trainstack.models.gpt import GPT
-from trainstack.runtime.local import rendezvous
+from trainstack.runtime.gloo_processes import rendezvous
 from trainstack.strategies.tensor_parallel import apply_tensor_parallel
 
 from user_model_specs import MODELS

@@ -20,7 +20,7 @@ from trainstack import checkpoint as ckpt
 from trainstack.config import config_from_dict
 from trainstack.data import build_corpus
 from trainstack.models import build_model
-from trainstack.runtime.local import run_processes
+from trainstack.runtime.gloo_processes import run_processes
 
 from bounds import FP64_BOUND
 

@@ -21,7 +21,7 @@ import torch
 
 from trainstack import checkpoint as ckpt
 from trainstack.config import config_from_dict
-from trainstack.runtime.local import run_processes
+from trainstack.runtime.gloo_processes import run_processes
 
 from bounds import (
     FP64_BOUND,

@@ -15,7 +15,7 @@ from trainstack.config import config_from_dict
 from trainstack.models import build_model
 from trainstack.planner.layouts import Layout
 from trainstack.planner.memory import model_state_bytes
-from trainstack.runtime.local import run_processes
+from trainstack.runtime.gloo_processes import run_processes
 from trainstack.strategies.zero import deepspeed_config
 
 from bounds import assert_trained, float32_sensitivity, max_difference, sensitivity_bound

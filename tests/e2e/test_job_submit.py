@@ -26,7 +26,7 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 
 from trainstack import checkpoint as ckpt
 from trainstack.config import config_to_dict, load_config
-from trainstack.runtime.local import run_processes
+from trainstack.runtime.gloo_processes import run_processes
 
 from bounds import assert_trained, max_difference
 from user_shell import BIN, ROOT, run, user_env

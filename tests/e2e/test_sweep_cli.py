@@ -22,7 +22,7 @@ from ray.tune.search.optuna import OptunaSearch
 from ray.tune.search.variant_generator import generate_variants
 
 from trainstack.config import load_config
-from trainstack.runtime.local import run_processes
+from trainstack.runtime.gloo_processes import run_processes
 from trainstack.sweep.results import COMPLETED
 from trainstack.sweep.runner import run_sweep
 from trainstack.sweep.spec import SweepConfig, load_sweep

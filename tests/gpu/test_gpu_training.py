@@ -70,8 +70,8 @@ def test_bf16_ddp_on_gpu_learns_what_fp32_learns_on_cpu_and_reports_its_mfu(
     gpu_ray: None, tmp_path: Path
 ) -> None:
     from trainstack.config import config_from_dict
-    from trainstack.metrics import device_peak_flops
-    from trainstack.runtime.local import run_processes
+    from trainstack.observe.throughput import device_peak_flops
+    from trainstack.runtime.gloo_processes import run_processes
 
     from bounds import max_difference
 

@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
-from trainstack import telemetry
 from trainstack.config import config_from_dict
-from trainstack.telemetry import RunTelemetry, ShardTelemetry, run_id_for
+from trainstack.observe import prometheus
+from trainstack.observe.prometheus import RunTelemetry, ShardTelemetry, run_id_for
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "dashboards" / "grafana_trainstack.json"
@@ -264,16 +264,16 @@ def test_telemetry_is_off_without_ray_and_never_raises(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     cfg = config_from_dict(ddp_spec(str(tmp_path)))
-    monkeypatch.setattr(telemetry, "ray_connected", lambda: False)
+    monkeypatch.setattr(prometheus, "ray_connected", lambda: False)
     off = RunTelemetry.for_rank(cfg, rank=0, world_size=2, run_dir=tmp_path / "metrics-ddp")
     assert not off.enabled
     off.record_step({})  # a record missing every key: not even looked at
 
-    def broken(series: telemetry.Series) -> Any:
+    def broken(series: prometheus.ExportedSeries) -> Any:
         raise RuntimeError("metrics agent gone")
 
-    monkeypatch.setattr(telemetry, "ray_connected", lambda: True)
-    monkeypatch.setattr(telemetry, "_instrument", broken)
+    monkeypatch.setattr(prometheus, "ray_connected", lambda: True)
+    monkeypatch.setattr(prometheus, "_instrument", broken)
     on = RunTelemetry.for_rank(cfg, rank=1, world_size=2, run_dir=tmp_path / "metrics-ddp")
     on.record_checkpoint(0.5)  # the error turns it off, and training goes on
     assert not on.enabled
@@ -293,15 +293,15 @@ def test_grafana_dashboard_queries_only_exported_series_and_tags() -> None:
     dashboard = json.loads(DASHBOARD.read_text())
     queries = dashboard_queries(dashboard)
     used = {name for q in queries for name in re.findall(r"\bray_trainstack_\w+", q)}
-    exported = {name for series in telemetry.SERIES for name in series.exported_names}
-    assert used <= exported, f"not exported by trainstack.telemetry: {sorted(used - exported)}"
-    assert {s.exported_names[0] for s in telemetry.SERIES} <= used  # every series on a panel
+    exported = {name for series in prometheus.SERIES for name in series.exported_names}
+    assert used <= exported, f"not exported by observe.prometheus: {sorted(used - exported)}"
+    assert {s.exported_names[0] for s in prometheus.SERIES} <= used  # every series on a panel
 
     labels = {label for q in queries for label in re.findall(r'(\w+)=~?"', q)}
     for q in queries:
         for group in re.findall(r"\bby \(([^)]*)\)", q):
             labels |= {label.strip() for label in group.split(",")}
-    tags = {tag for series in telemetry.SERIES for tag in series.tags}
+    tags = {tag for series in prometheus.SERIES for tag in series.tags}
     assert labels <= tags | {"le"}, f"not a trainstack tag: {sorted(labels - tags - {'le'})}"
     assert any(v["type"] == "datasource" for v in dashboard["templating"]["list"])
 

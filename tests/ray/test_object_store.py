@@ -19,8 +19,9 @@ from moto.server import ThreadedMotoServer
 from trainstack import checkpoint as ckpt
 from trainstack.cli import main
 from trainstack.config import config_from_dict
-from trainstack.runtime.launcher import run_job, worker_env
-from trainstack.runtime.local import run_processes
+from trainstack.runtime.cluster import worker_env
+from trainstack.runtime.gloo_processes import run_processes
+from trainstack.runtime.launcher import run_job
 
 
 class LocalS3:

@@ -12,9 +12,9 @@ import torch
 
 from trainstack import checkpoint as ckpt
 from trainstack.config import config_from_dict
-from trainstack.ps.driver import run_parameter_server
 from trainstack.ps.shard import staleness_lr_factor
-from trainstack.runtime.local import run_processes
+from trainstack.runtime.gloo_processes import run_processes
+from trainstack.runtime.ps_job import run_parameter_server
 
 from bounds import (
     assert_trained,
@@ -170,7 +170,7 @@ def test_workers_that_find_no_room_end_the_run_after_start_timeout_s(
 ) -> None:
     import ray
 
-    from trainstack.ps.driver import WorkerFailedError
+    from trainstack.runtime.ps_job import WorkerFailedError
 
     # The session's Ray instance has 4 CPUs: 8 one-CPU workers never fit.
     raw = spec(tmp_path, workers=8)
@@ -200,7 +200,7 @@ def test_an_actor_knows_it_was_restarted_without_a_deprecation_warning(ray_clust
     @ray.remote(max_restarts=1, num_cpus=0)
     class Restartable:
         def check(self) -> tuple[bool, list[str]]:
-            from trainstack.telemetry import actor_was_restarted
+            from trainstack.observe.prometheus import actor_was_restarted
 
             with warnings.catch_warnings(record=True) as seen:
                 warnings.simplefilter("always")

@@ -19,8 +19,8 @@ import ray
 
 from trainstack import checkpoint as ckpt
 from trainstack.config import config_from_dict
+from trainstack.runtime.gloo_processes import run_processes
 from trainstack.runtime.launcher import run_job
-from trainstack.runtime.local import run_processes
 
 
 def spec(tmp_path: Path, *, name: str, steps: int, tracking_uri: str | None = None) -> dict:

@@ -14,8 +14,8 @@ import pytest
 from trainstack import checkpoint as ckpt
 from trainstack.config import config_from_dict
 from trainstack.data import build_corpus
-from trainstack.ps.driver import run_parameter_server
 from trainstack.runtime.launcher import run_job
+from trainstack.runtime.ps_job import run_parameter_server
 
 from bounds import assert_trained, float32_sensitivity, max_difference, sensitivity_bound
 from user_model_specs import MODELS

@@ -12,14 +12,14 @@ import pytest
 
 from trainstack import cli
 from trainstack.config import ConfigError, JobConfig, ModelConfig, config_from_dict
-from trainstack.config_fields import show
+from trainstack.errors import show
+from trainstack.machine import local_cpus
 from trainstack.models import GPT, WindowMLP
 from trainstack.runtime.capacity import (
     check_fits_this_machine,
     check_local_resources,
     check_model_fits,
     cluster_wait_note,
-    local_cpus,
     model_state,
     parameter_count,
     start_timeout_message,
@@ -83,6 +83,31 @@ def spec(**sections: dict[str, Any]) -> JobConfig:
             4,
             0,
         ),
+        # the planner's model (planner/memory.py) for every layout: a pipeline's tensor-
+        # parallel or sharded replicas split each stage further (16 / (2 stages × 2))
+        (
+            {
+                "strategy": {"kind": "pipeline", "stages": 2, "tensor_parallel": 2},
+                "model": {"n_layer": 2},
+                "train": {"global_batch_size": 32, "micro_batch_size": 8},
+            },
+            4,
+            0,
+        ),
+        (
+            {
+                "strategy": {
+                    "kind": "pipeline",
+                    "stages": 2,
+                    "data_parallel": 2,
+                    "shard_replicas": True,
+                },
+                "model": {"n_layer": 2},
+                "train": {"global_batch_size": 32, "micro_batch_size": 4},
+            },
+            4,
+            0,
+        ),
         # parameter server: workers hold weights and grads, the shards weights and moments
         ({"strategy": {"kind": "ps"}, "optim": {"grad_clip": 0}}, 8, 12),
     ],
@@ -114,9 +139,9 @@ def test_a_model_bigger_than_memory_is_refused_with_its_size() -> None:
     with pytest.raises(ConfigError) as info:
         check_model_fits(cfg, model_state(cfg, params), memory=24 * GIB, where="this machine")
     assert str(info.value) == (
-        "model.kind=gpt (n_layer=100, n_embd=4096, vocab 64): about 300.1 GiB of parameters, "
-        f"gradients and AdamW state per worker ({params:,} parameters), 600.1 GiB for the 2 "
-        "worker(s) together, more than the 24.0 GiB this machine has; use a smaller model, "
+        "model.kind=gpt (n_layer=100, n_embd=4096, vocab 64): about 322 GB of parameters, "
+        f"gradients and AdamW state per worker ({params:,} parameters), 644 GB for the 2 "
+        "worker(s) together, more than the 25.8 GB this machine has; use a smaller model, "
         "fewer workers, or strategy.kind=zero (sharded state)"
     )
     check_model_fits(cfg, model_state(cfg, params), memory=1024 * GIB, where="this machine")
@@ -126,7 +151,7 @@ def test_the_estimate_runs_before_anything_is_built() -> None:
     # 10,000 layers 4096 wide: 2e12 parameters, about 30 TiB; building it would take
     # hours and more memory than any machine has, so only the formula can answer.
     cfg = spec(model={"n_layer": 10_000, "n_embd": 4096, "n_head": 32}, scaling={"num_workers": 1})
-    with pytest.raises(ConfigError, match=r"about 29\.\d TiB of parameters, gradients and AdamW"):
+    with pytest.raises(ConfigError, match=r"about 3\d\.\d TB of parameters, gradients and AdamW"):
         check_fits_this_machine(cfg)
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from trainstack import checkpoint as ckpt
 from trainstack.config import config_from_dict, config_to_dict
+from trainstack.files import file_sha256
 
 STEPS = 20
 
@@ -32,7 +33,7 @@ def save(directory: Path, *, step: int, raw: dict[str, Any], payload: bytes = b"
     """A checkpoint as the loop commits it: files, then the manifest listing them."""
     directory.mkdir(parents=True)
     (directory / "model.pt").write_bytes(payload)
-    entry = {"sha256": ckpt.file_sha256(directory / "model.pt"), "size": len(payload)}
+    entry = {"sha256": file_sha256(directory / "model.pt"), "size": len(payload)}
     manifest = {
         "format": ckpt.FORMAT_VERSION,
         "step": step,

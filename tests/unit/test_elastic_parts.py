@@ -10,15 +10,15 @@ import pytest
 from trainstack.config import ConfigError, config_from_dict, config_to_dict
 from trainstack.data import build_corpus
 from trainstack.data.sharding import DataCursor, ShardedBatches
+from trainstack.observe.tracking import NullTracker
 from trainstack.runtime.capacity import (
     ELASTIC_ATTEMPT_S,
     attempt_timeout_s,
     check_local_resources,
     worker_resources,
 )
-from trainstack.runtime.launcher import RunFollower
+from trainstack.runtime.events import RunFollower
 from trainstack.runtime.loop import fit_to_group
-from trainstack.tracking import NullTracker
 
 
 def elastic(**scaling: Any) -> dict[str, Any]:

@@ -10,8 +10,8 @@ import pytest
 from trainstack import checkpoint as ckpt
 from trainstack.cli import main as cli_main
 from trainstack.config import config_from_dict, config_to_dict
-from trainstack.runtime.launcher import RunFollower
-from trainstack.tracking import NullTracker
+from trainstack.observe.tracking import NullTracker
+from trainstack.runtime.events import RunFollower
 
 
 def follow(*events: dict[str, Any]) -> list[dict[str, Any]]:

@@ -16,7 +16,7 @@ from moto.server import ThreadedMotoServer
 from trainstack import checkpoint as ckpt
 from trainstack.cli import main
 from trainstack.config import ConfigError, config_from_dict, config_to_dict
-from trainstack.runtime.local import run_processes
+from trainstack.runtime.gloo_processes import run_processes
 from trainstack.runtime.preflight import check_storage
 from trainstack.storage import StorePath, open_location
 
@@ -208,7 +208,7 @@ def test_the_endpoint_may_come_from_the_environment_as_boto3_reads_it(
     """`AWS_ENDPOINT_URL` (or `AWS_ENDPOINT_URL_S3`, which wins) names an S3-compatible
     store when the spec gives no `endpoint_override`; an explicit one wins over both; the
     workers get the variable in their runtime env."""
-    from trainstack.runtime.launcher import worker_env
+    from trainstack.runtime.cluster import worker_env
 
     endpoint = store["endpoint_override"]
     dead = "http://127.0.0.1:9"  # the discard port: nothing answers S3 there

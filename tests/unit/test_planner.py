@@ -40,7 +40,6 @@ from trainstack.planner.comm import (
     tensor_parallel_bytes,
     topk_bytes,
 )
-from trainstack.planner.command import parse_quantity
 from trainstack.planner.layouts import Layout, candidate_layouts
 from trainstack.planner.memory import model_state_bytes, zero_paper_bytes
 from trainstack.planner.plan import Hardware, estimate
@@ -50,6 +49,7 @@ from trainstack.strategies.dtensor_state import local_part
 from trainstack.strategies.pipeline_probe import SavedActivationMeter
 from trainstack.strategies.tensor_parallel import apply_tensor_parallel
 from trainstack.tasks import Task
+from trainstack.units import parse_quantity
 
 from user_model_specs import MODELS
 

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from trainstack.config import ConfigError, ModelConfig, config_from_dict
+from trainstack.models import build_model
 from trainstack.models.gpt import GPT
 from trainstack.ps.clock import ClockBoard, StalenessBound, bound_for
-from trainstack.ps.partition import partition
+from trainstack.ps.partition import check_shards, partition
 
 
 def gpt() -> GPT:
@@ -139,7 +140,6 @@ def error_of(raw: dict[str, Any]) -> str:
             "strategy.staleness_bound=2 needs strategy.consistency=ssp (a clock bound) or "
             "strategy.reject_beyond_bound=true; got async",
         ),
-        ({"num_shards": 99}, "strategy.num_shards=99 is more than the model's 17 parameter"),
         ({"consistency": "eventual"}, "strategy.consistency='eventual' is not one of async"),
         ({"consistency": "bsp", "reject_beyond_bound": True}, "bsp pushes are never stale"),
         ({"pull_every": 0}, "strategy.pull_every=0 is out of range; allowed: >= 1"),
@@ -151,6 +151,14 @@ def test_invalid_parameter_server_specs_are_refused(
     strategy: dict[str, Any], expected: str
 ) -> None:
     assert expected in error_of(ps_spec(**strategy))
+
+
+def test_more_shards_than_parameter_tensors_are_refused_before_ray_starts() -> None:
+    cfg = config_from_dict(ps_spec(num_shards=99))  # the spec alone does not know the model
+    model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=0)
+    with pytest.raises(ConfigError, match=r"strategy\.num_shards=99 is more than the model's 17 "):
+        check_shards(cfg, model)
+    check_shards(config_from_dict(ps_spec(num_shards=17)), model)
 
 
 def test_parameter_server_refuses_gradient_clipping() -> None:

@@ -1,4 +1,4 @@
-"""`trainstack report` against a real SQLite MLflow store, filled by trainstack.tracking
+"""`trainstack report` against a real SQLite MLflow store, filled by trainstack.observe.tracking
 itself (start_tracking / log_metrics / finish), so the format is the one jobs write.
 One store and the reports of its runs are shared by the module (MLflow's migrations and
 matplotlib's import take seconds)."""
@@ -14,9 +14,11 @@ from typing import Any
 
 import pytest
 
+from trainstack.cli.report import add_report_parser
 from trainstack.config import ConfigError, JobConfig, StrategyConfig, TrackingConfig
-from trainstack.report import Series, add_report_parser, write_report
-from trainstack.tracking import start_tracking
+from trainstack.observe.tracking import start_tracking
+from trainstack.report.document import write_report
+from trainstack.report.runs import Series
 
 FLOOR = 2.0
 FINAL_EVAL = 2.6  # 30% above FLOOR

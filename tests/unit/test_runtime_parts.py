@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from trainstack.config import config_from_dict
-from trainstack.metrics import PEAK_FLOPS, ThroughputMeter, device_peak_flops, mfu
+from trainstack.faults import first_firing, kill_plan
+from trainstack.observe.throughput import PEAK_FLOPS, ThroughputMeter, device_peak_flops, mfu
 from trainstack.optim import build_optimizer, lr_multiplier, scaled_lr
-from trainstack.runtime.faults import first_firing, kill_plan
 from trainstack.runtime.progress import ProgressDisplay, format_summary
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from trainstack.cli import main
+from trainstack.cli.submit import entrypoint, job_metadata, submission_id
 from trainstack.config import load_config
-from trainstack.runtime.submit import entrypoint, job_metadata, submission_id
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = str(ROOT / "jobs/configs/demo.yaml")

@@ -401,7 +401,8 @@ def test_stdlib_patterns_name_this_interpreters_standard_library() -> None:
 
 
 def test_report_draws_the_compressors_on_the_loss_plot(tmp_path: Path) -> None:
-    from trainstack.report import Series, TrackedRun, render_report
+    from trainstack.report.document import render_report
+    from trainstack.report.runs import Series, TrackedRun
 
     steps = list(range(10, 110, 10))
     loss = Series(

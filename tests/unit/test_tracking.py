@@ -18,7 +18,7 @@ import yaml
 
 import trainstack
 from trainstack.config import JobConfig, TrackingConfig, config_to_dict
-from trainstack.tracking import HTTP_BOUNDS, resolve_tracking_uri, start_tracking
+from trainstack.observe.tracking import HTTP_BOUNDS, resolve_tracking_uri, start_tracking
 
 RECORDS: list[dict[str, Any]] = [
     {"step": 10, "steps": 30, "loss": 4.0, "lr": 0.003, "mfu": None, "grad_norm": float("nan")},
@@ -56,7 +56,7 @@ def artifact_text(client: Any, run_id: str, name: str, tmp_path: Path) -> str:
 def test_backend_none_is_a_no_op_that_never_imports_mlflow(tmp_path: Path) -> None:
     code = (
         "import sys; from pathlib import Path; from trainstack.config import JobConfig\n"
-        "from trainstack.tracking import start_tracking\n"
+        "from trainstack.observe.tracking import start_tracking\n"
         f"t = start_tracking(JobConfig(), run_dir=Path({str(tmp_path)!r}))\n"
         "t.log_metrics({'loss': 1.0}, step=1); t.finish({'final_loss': 1.0}, failed=False)\n"
         "assert t.run_id is None and t.error is None\n"

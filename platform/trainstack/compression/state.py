@@ -30,6 +30,7 @@ from trainstack.compression.lowrank import LowRank, PowerSGDHook
 from trainstack.compression.quantize import QSGD, Cast, Sign
 from trainstack.compression.sparsify import RandK, TopK
 from trainstack.config import CompressionConfig, JobConfig, OptimConfig
+from trainstack.strategy_kinds import kind_of
 
 
 def build_compressor(cfg: CompressionConfig, *, seed: int, rank: int) -> Compressor:
@@ -142,7 +143,7 @@ def local_gradient(
 
 def moments_on_ranks(cfg: JobConfig, *, world_size: int) -> bool:
     """Whether each rank applies the optimizer's moments before compressing."""
-    return cfg.strategy.kind == "ddp" and world_size > 1 and moments_apply(cfg.compression)
+    return kind_of(cfg).dense_hooks and world_size > 1 and moments_apply(cfg.compression)
 
 
 def moments_apply(cfg: CompressionConfig) -> bool:

@@ -20,10 +20,10 @@ import numpy as np
 import torch
 
 from trainstack.config import ConfigError, DataConfig
-from trainstack.config_fields import first_line
 from trainstack.data.indexed import EpochOrder, IndexedCorpus
 from trainstack.data.sharding import Batch
 from trainstack.data.tokens import files_fingerprint, held_out_size
+from trainstack.errors import first_line
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -43,7 +43,6 @@ from typing import Any, BinaryIO, TextIO
 
 import numpy as np
 
-from trainstack.checkpoint import write_text_atomically
 from trainstack.config import ConfigError, DataConfig, JobConfig
 from trainstack.data.file_progress import MB, ProgressBar
 from trainstack.data.text import (
@@ -66,6 +65,7 @@ from trainstack.data.tokens import (
     header_bytes,
     write_token_file,
 )
+from trainstack.files import write_text_atomically
 
 BATCH_BYTES = 16 * 2**20
 """Text per `encode_batch` call: enough for every CPU, small enough that an interrupted

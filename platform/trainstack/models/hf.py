@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from trainstack.config import ConfigError, ModelConfig
-from trainstack.config_fields import show
+from trainstack.errors import show
 
 # ---- the families' pipeline layers: each only references the HF model's modules ---------
 

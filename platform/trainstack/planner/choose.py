@@ -12,11 +12,11 @@ so the launcher checks the layout only for local runs; `auto` plans with
 from __future__ import annotations
 
 from trainstack.config import ConfigError, JobConfig
-from trainstack.config_fields import parse_quantity
-from trainstack.planner.command import format_bytes, format_seconds, format_value
-from trainstack.planner.layouts import Layout
+from trainstack.machine import local_memory_bytes
+from trainstack.planner.layouts import Layout, format_value
 from trainstack.planner.plan import Estimate, Hardware, Plan, estimate, make_plan
 from trainstack.planner.workload import Workload, with_layout, workload_from_spec
+from trainstack.units import format_bytes, format_seconds, parse_quantity
 
 BANDWIDTH = 100e9
 """Bytes a second a rank sends, as `trainstack plan` assumes by default."""
@@ -44,8 +44,6 @@ def device_memory(cfg: JobConfig, *, devices: int) -> int:
         return int(parse_quantity("scaling.device_memory", stated, units=True, example="80GB"))
     if cfg.scaling.use_gpu and torch.cuda.is_available():
         return int(torch.cuda.get_device_properties(0).total_memory)
-    from trainstack.runtime.capacity import local_memory_bytes
-
     return local_memory_bytes() // devices
 
 

@@ -153,3 +153,8 @@ def candidate_layouts(devices: int, shape: TransformerShape | None) -> list[Layo
                 )
                 layouts.append(sharded)
     return layouts
+
+
+def format_value(value: Any) -> str:
+    """A spec value as `--set` takes it (booleans lower-case)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)

@@ -2,8 +2,9 @@
 
 Ψ parameters, N ranks, e bytes a training-dtype element (4 fp32, 2 bf16), o bytes of
 fp32 optimizer state a parameter (AdamW 8). What trainstack's engines allocate, as
-`runtime.capacity.model_state` documents and `benchmarks/zero_memory.py` and
-`benchmarks/mesh_layouts.py` measure:
+`benchmarks/zero_memory.py` and `benchmarks/mesh_layouts.py` measure; the one model of
+it: `trainstack plan`, `strategy.kind: auto` and pre-flight's capacity check
+(`runtime.capacity.model_state`) all ask `model_state_bytes`:
 
 | layout | parameters | gradients | optimizer |
 | --- | --- | --- | --- |
@@ -55,7 +56,7 @@ def model_state_bytes(
 ) -> StateBytes:
     """Bytes of parameters, gradients and optimizer state one rank of `layout` holds
     (the table in the module docstring, whose 4 is `weight_bytes`: 8 when the torch
-    engines train in fp64; integer division as `capacity.model_state`)."""
+    engines train in fp64; integer division)."""
     psi, n, e, o = params, layout.devices, element_bytes, optimizer_bytes
     if layout.kind == "zero":
         weights = e * psi if layout.stage < 3 else e * psi // n

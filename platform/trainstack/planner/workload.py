@@ -73,10 +73,7 @@ def workload_from_spec(cfg: JobConfig) -> Workload:
     m = cfg.model
     params = parameter_count(cfg)
     shape = transformer_shape(cfg)
-    weight_bytes = 2 * FP32_BYTES if cfg.train.precision == "fp64" else FP32_BYTES
-    optimizer = (
-        2 * weight_bytes if cfg.optim.kind == "adamw" else weight_bytes * (cfg.optim.momentum > 0)
-    )
+    element_bytes, optimizer, weight_bytes = state_element_bytes(cfg)
     name = f"model.kind={m.kind}"
     if shape is not None:
         name += f" (layers {shape.layers}, hidden {shape.hidden}, heads {shape.heads})"
@@ -85,7 +82,7 @@ def workload_from_spec(cfg: JobConfig) -> Workload:
         shape=shape,
         global_batch=cfg.train.global_batch_size,
         tokens_per_sample=m.block_size if cfg.task.kind == "lm" else 1,
-        element_bytes=ELEMENT_BYTES[cfg.train.precision],
+        element_bytes=element_bytes,
         optimizer_bytes=optimizer,
         weight_bytes=weight_bytes,
         dropout=m.dropout > 0,
@@ -93,10 +90,22 @@ def workload_from_spec(cfg: JobConfig) -> Workload:
     )
 
 
+def state_element_bytes(cfg: JobConfig) -> tuple[int, int, int]:
+    """Bytes of the spec's model state per parameter, as `planner/memory.py` takes them:
+    a training-dtype element (ZeRO's parameters and gradients), the optimizer's state
+    (AdamW 2 moments, SGD its momentum or nothing) and a torch engine's weight (4; 8 in
+    fp64, where the optimizer's state doubles too)."""
+    weight_bytes = 2 * FP32_BYTES if cfg.train.precision == "fp64" else FP32_BYTES
+    optimizer = (
+        2 * weight_bytes if cfg.optim.kind == "adamw" else weight_bytes * (cfg.optim.momentum > 0)
+    )
+    return ELEMENT_BYTES[cfg.train.precision], optimizer, weight_bytes
+
+
 def parameter_count(cfg: JobConfig) -> int:
     """The model's parameters without allocating them: by formula for the built-in
-    models, else built on the meta device (as `runtime.capacity.parameter_count`, but
-    saying why a build fails)."""
+    models, else built on the meta device; ConfigError saying why a build fails, or for
+    `model.pretrained` (whose weights are not read to plan)."""
     import torch
 
     from trainstack.models import MODELS, build_model, num_params

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from trainstack.config import ConfigError, JobConfig
+
 
 @dataclass(frozen=True, kw_only=True)
 class ShardLayout:
@@ -68,3 +70,14 @@ def partition(model: nn.Module, num_shards: int) -> list[ShardLayout]:
             )
         )
     return layouts
+
+
+def check_shards(cfg: JobConfig, model: nn.Module) -> None:
+    """A parameter-server shard holds at least one parameter tensor."""
+    tensors = len(list(model.parameters()))
+    shards = cfg.strategy.num_shards
+    if shards > tensors:
+        raise ConfigError(
+            f"strategy.num_shards={shards} is more than the model's {tensors} parameter "
+            f"tensors; allowed: 1 to {tensors}"
+        )

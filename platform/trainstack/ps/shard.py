@@ -26,15 +26,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from trainstack.checkpoint import file_sha256, save_atomically, write_text_atomically
+from trainstack.checkpoint import save_atomically
 from trainstack.compression import ErrorFeedback, Payload, build_compressor
 from trainstack.config import config_from_dict
+from trainstack.faults import first_firing
+from trainstack.files import file_sha256, write_text_atomically
 from trainstack.models import build_model
+from trainstack.observe.prometheus import ShardTelemetry
 from trainstack.optim import build_optimizer, lr_multiplier, scaled_lr
 from trainstack.ps.clock import ActorNames
 from trainstack.ps.partition import ShardLayout
-from trainstack.runtime.faults import first_firing
-from trainstack.telemetry import ShardTelemetry
 
 Push = np.ndarray | list[tuple[tuple[int, ...], list[np.ndarray]]]
 """A gradient on the wire: the shard's flat float32 gradient, or with compression one

@@ -24,16 +24,15 @@ from trainstack.compression import ErrorFeedback, build_compressor
 from trainstack.config import config_from_dict
 from trainstack.data import build_corpus
 from trainstack.data.sharding import DataCursor, ShardedBatches
-from trainstack.metrics import peak_memory_bytes
+from trainstack.faults import FaultInjector
 from trainstack.models import build_model
+from trainstack.observe.prometheus import PsWorkerTelemetry
+from trainstack.observe.throughput import peak_memory_bytes
 from trainstack.ps.clock import ActorNames
 from trainstack.ps.partition import ShardLayout
 from trainstack.ps.shard import encode_push
-from trainstack.runtime.faults import FaultInjector
-from trainstack.runtime.loop import torch_threads
 from trainstack.strategies.base import apply_compile, autocast, to_device
 from trainstack.tasks import build_task
-from trainstack.telemetry import PsWorkerTelemetry
 
 
 class ParameterServerWorker:
@@ -49,7 +48,7 @@ class ParameterServerWorker:
         from pathlib import Path
 
         self.cfg = cfg = config_from_dict(spec)
-        torch.set_num_threads(torch_threads(cfg))
+        torch.set_num_threads(cfg.scaling.torch_threads)
         self.index = index
         self.layouts = layouts
         self.shards: list[Any] = [names.find(names.shard(i)) for i in range(len(layouts))]

@@ -29,8 +29,13 @@ from dataclasses import dataclass
 import torch
 
 from trainstack.config import ConfigError, JobConfig
-
-FP32_BYTES = 4
+from trainstack.machine import local_cpus, local_gpus, local_memory_bytes
+from trainstack.planner.choose import layout_of
+from trainstack.planner.memory import model_state_bytes, parameter_server_bytes
+from trainstack.planner.workload import parameter_count as planned_parameter_count
+from trainstack.planner.workload import state_element_bytes
+from trainstack.strategy_kinds import kind_of
+from trainstack.units import format_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,110 +55,54 @@ class ModelState:
 
 
 def parameter_count(cfg: JobConfig) -> int | None:
-    """The model's parameters without allocating them: by formula for the built-in
-    models, else built on the meta device; None when that fails (the real build in
-    pre-flight then reports why) or would read weights (`model.pretrained`)."""
-    from trainstack.models import MODELS, build_model
-
-    m = cfg.model
-    if m.kind in MODELS:
-        numel, _ = MODELS[m.kind].count_parameters(m, vocab_size=cfg.data.vocab_size)
-        return numel
-    if m.pretrained:
-        return None
+    """The model's parameters without allocating them (the planner's count); None when
+    the plan cannot count them (a model that does not build: the real build in
+    pre-flight then says why; `model.pretrained`, whose weights are not read here)."""
     try:
-        with torch.device("meta"):
-            model = build_model(m, vocab_size=cfg.data.vocab_size, seed=cfg.train.seed)
-    except Exception:  # the user's code: pre-flight's real build says what is wrong
+        return planned_parameter_count(cfg)
+    except ConfigError:
         return None
-    return sum(p.numel() for p in model.parameters())
 
 
 def model_state(cfg: JobConfig, params: int) -> ModelState:
-    """Per-worker bytes of `params` parameters under the job's strategy and optimizer.
-
-    fp32 weights and gradients (bf16 is autocast over fp32 weights), and the optimizer's
-    fp32 state: AdamW two moments (8 bytes a parameter), SGD its momentum (4, none
-    without momentum); all of it twice that in fp64 (ddp, fsdp, pipelines). ZeRO shards
-    over the N workers as in the README's ZeRO table (DeepSpeed 0.19.8's allocations):
-    training-dtype (e bytes) parameters (stage 3: /N) and gradients (stages 2, 3: /N),
-    and an fp32 master copy plus the optimizer state /N. fsdp holds 1/(s × t) of fp32
-    weights, gradients and optimizer state (the shard degree s = N / (r × t), tensor
-    parallelism t; the few replicated norms not counted), all of it on the host with
-    offload. A pipeline rank holds 1/stages of the model (an
-    even split); a parameter-server worker holds weights and gradients, and its shards
-    the weights and optimizer state.
-    """
-    o, optim = _optimizer_bytes(cfg)
-    s, n = cfg.strategy, cfg.scaling.num_workers
-    offloaded = 0
-    elsewhere = 0
-    if s.kind == "zero":
-        e = FP32_BYTES if cfg.train.precision == "fp32" else 2
-        weights = e * params if s.stage < 3 else e * params // n
-        grads = e * params if s.stage == 1 else e * params // n
-        state = (FP32_BYTES + o) * params // n
-        per_worker = weights + grads + state
-        if s.offload_optimizer != "none":
-            offloaded += state
-        if s.offload_param != "none":
-            offloaded += weights
-    elif s.kind == "fsdp":  # a tp shard's fp32 weights, grads and state, split over s
-        shard = s.tensor_parallel * (n // (s.tensor_parallel * s.data_parallel_replicate))
-        per_worker = (2 * FP32_BYTES + o) * params // shard
-        if s.offload_param != "none":
-            offloaded += per_worker
-    elif s.kind == "ps":
-        per_worker = 2 * FP32_BYTES * params
-        elsewhere = (FP32_BYTES + o) * params
+    """Per-worker bytes of `params` parameters under the job's layout and optimizer:
+    the planner's model (`planner/memory.py`, its table), the one `trainstack plan`,
+    `strategy.kind: auto` and this pre-flight check all use. A parameter-server worker
+    holds weights and gradients, and its shards the weights and optimizer state."""
+    element, optimizer, weight = state_element_bytes(cfg)
+    layout = layout_of(cfg)
+    if layout is None:  # the parameter server
+        per_worker, elsewhere = parameter_server_bytes(params=params, optimizer_bytes=optimizer)
+        on_device = per_worker
     else:
-        per_worker = (2 * FP32_BYTES + o) * params
-        if s.kind == "pipeline":
-            per_worker //= s.stages
-    if cfg.train.precision == "fp64":  # float64 weights, gradients and state: twice fp32's
-        per_worker, offloaded = 2 * per_worker, 2 * offloaded
+        state = model_state_bytes(
+            layout,
+            params=params,
+            element_bytes=element,
+            optimizer_bytes=optimizer,
+            weight_bytes=weight,
+        )
+        per_worker, on_device, elsewhere = state.total, state.device, 0
+    optim = "AdamW" if cfg.optim.kind == "adamw" else "SGD momentum"
     what = "parameters and gradients"
-    if o and s.kind != "ps":
+    if optimizer and layout is not None:
         what = f"parameters, gradients and {optim} state"
     return ModelState(
         params=params,
         per_worker=per_worker,
-        on_device=per_worker - offloaded,
+        on_device=on_device,
         elsewhere=elsewhere,
         what=what,
     )
 
 
-def _optimizer_bytes(cfg: JobConfig) -> tuple[int, str]:
-    """fp32 optimizer state bytes per parameter, and the optimizer's name."""
-    if cfg.optim.kind == "adamw":
-        return 2 * FP32_BYTES, "AdamW"
-    return (FP32_BYTES if cfg.optim.momentum else 0), "SGD momentum"
-
-
 # ---- this machine -------------------------------------------------------------------
-
-
-def local_cpus() -> float:
-    """CPUs an embedded Ray instance started here gets: Ray's own count (which
-    `ray.init` uses: the cgroup quota in a container, else the machine's CPUs)."""
-    try:
-        from ray._private.utils import get_num_cpus
-
-        return float(get_num_cpus())
-    except (ImportError, AttributeError):  # Ray moved it: the CPUs this process may use
-        return float(len(os.sched_getaffinity(0)))
-
-
-def local_memory_bytes() -> int:
-    """This machine's physical memory."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def check_fits_this_machine(cfg: JobConfig) -> None:
     """Raise ConfigError when the workers can never all run on this machine: more CPUs
     or GPUs than it has, or more model state than its memory (or its GPU's)."""
-    check_local_resources(cfg, cpus=local_cpus(), gpus=_local_gpus())
+    check_local_resources(cfg, cpus=local_cpus(), gpus=local_gpus())
     params = parameter_count(cfg)
     if params is None:
         return
@@ -169,10 +118,6 @@ def check_fits_this_machine(cfg: JobConfig) -> None:
 def uses_gpus(cfg: JobConfig) -> bool:
     """Whether each worker reserves a GPU (a parameter server's shards stay on CPU)."""
     return cfg.scaling.use_gpu
-
-
-def _local_gpus() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def check_local_resources(cfg: JobConfig, *, cpus: float, gpus: int) -> None:
@@ -209,15 +154,15 @@ def check_model_fits(cfg: JobConfig, state: ModelState, *, memory: int, where: s
     if m.kind == "gpt" or m.kind == "mlp":
         model += f" (n_layer={m.n_layer}, n_embd={m.n_embd}, vocab {cfg.data.vocab_size})"
     figure = (
-        f"{model}: about {_bytes(state.per_worker)} of {state.what} per worker "
+        f"{model}: about {format_bytes(state.per_worker)} of {state.what} per worker "
         f"({state.params:,} parameters)"
     )
     hint = "use a smaller model or fewer workers"
-    if cfg.strategy.kind != "zero":
+    if not kind_of(cfg).shards_state:
         hint = "use a smaller model, fewer workers, or strategy.kind=zero (sharded state)"
     if uses_gpus(cfg):
         if state.on_device > memory:
-            raise ConfigError(f"{figure}, more than the {_bytes(memory)} of {where}; {hint}")
+            raise ConfigError(f"{figure}, more than the {format_bytes(memory)} of {where}; {hint}")
         return
     total = workers * state.per_worker + state.elsewhere
     if total <= memory:
@@ -225,16 +170,10 @@ def check_model_fits(cfg: JobConfig, state: ModelState, *, memory: int, where: s
     together = ""
     if workers > 1 or state.elsewhere:
         shards = " and the parameter-server shards" if state.elsewhere else ""
-        together = f", {_bytes(total)} for the {workers} worker(s){shards} together"
-    raise ConfigError(f"{figure}{together}, more than the {_bytes(memory)} {where} has; {hint}")
-
-
-def _bytes(n: float) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:,.1f} TiB"
+        together = f", {format_bytes(total)} for the {workers} worker(s){shards} together"
+    raise ConfigError(
+        f"{figure}{together}, more than the {format_bytes(memory)} {where} has; {hint}"
+    )
 
 
 # ---- a cluster --------------------------------------------------------------------

@@ -27,15 +27,15 @@ from trainstack.data.bits_per_byte import summary_bits_per_byte
 from trainstack.data.ray_source import RaySource
 from trainstack.data.ray_stream import RayStepBatches
 from trainstack.data.sharding import DataCursor, ShardedBatches, eval_batches
-from trainstack.metrics import ThroughputMeter, device_peak_flops, mfu, peak_memory_bytes
+from trainstack.faults import FaultInjector
 from trainstack.models import build_model, compiled_blocks, num_params
 from trainstack.models.flops import flops_per_token as training_flops_per_token
-from trainstack.runtime.faults import FaultInjector
+from trainstack.observe.prometheus import RunTelemetry
+from trainstack.observe.throughput import ThroughputMeter, device_peak_flops, mfu, peak_memory_bytes
 from trainstack.storage import Location
 from trainstack.strategies import Strategy, WorkerContext, build_strategy
 from trainstack.strategies.base import ReportsLayout, StepOutput, weight_dtype
 from trainstack.tasks import build_task
-from trainstack.telemetry import RunTelemetry
 
 LogFn = Callable[[dict[str, Any]], None]
 
@@ -50,7 +50,7 @@ class CheckpointStore(Protocol):
 class DirectoryCheckpointStore:
     """Ranks copy their staged files into `.partial-<name>`; rank 0 renames it into place.
 
-    The store of `runtime/local.py`'s processes, and of the parameter server's driver for
+    The store of `runtime/gloo_processes.py`'s processes, and of the parameter server's driver for
     its final checkpoint (one rank, not distributed)."""
 
     def __init__(self, run_dir: Path, *, rank: int, distributed: bool) -> None:
@@ -78,11 +78,6 @@ class TrainOutcome:
     """The run's figures; rank 0's are the ones reported."""
     strategy: Strategy
     """The trained strategy, holding the final model and optimizer state."""
-
-
-def torch_threads(cfg: JobConfig) -> int:
-    """Intra-op threads per worker: the CPUs it reserved, at least one."""
-    return max(1, math.floor(cfg.scaling.cpus_per_worker))
 
 
 def fit_to_group(cfg: JobConfig, world_size: int) -> tuple[JobConfig, str | None]:
@@ -142,7 +137,7 @@ def train(
     entered = time.time()
     spec = config_to_dict(cfg)  # what checkpoints record: the run's spec, not this group's
     cfg, group_note = fit_to_group(cfg, ctx.world_size)
-    torch.set_num_threads(torch_threads(cfg))
+    torch.set_num_threads(cfg.scaling.torch_threads)
     corpus: Source = (  # ray: held-out rows from Ray Train's `val` dataset
         RaySource.from_shard(cfg.data) if cfg.data.kind == "ray" else build_corpus(cfg.data)
     )

@@ -24,11 +24,12 @@ from torch import nn
 
 from trainstack import checkpoint as ckpt
 from trainstack.config import ConfigError, JobConfig
-from trainstack.config_fields import first_line, show
 from trainstack.data import Source, build_corpus
 from trainstack.data.paths import resolve_data
+from trainstack.errors import first_line, show
 from trainstack.models import block_classes, build_model, num_params
 from trainstack.storage import OPTION_SCHEMES, StorePath, is_store_uri, open_location
+from trainstack.strategy_kinds import kind_of
 from trainstack.tasks import Task, TaskOutputError, build_task
 from trainstack.user_code import describe_exception
 
@@ -61,16 +62,8 @@ def preflight(cfg: JobConfig) -> PreflightReport:
             f"{type(model).__name__} has none; name their class in model.checkpoint_modules, "
             "give the model a pipeline_layers() method, or set train.compile=false"
         )
-    if cfg.strategy.kind == "pipeline":
-        from trainstack.strategies.pipeline_split import check_pipeline_model
-
-        check_pipeline_model(cfg, model)
-    if cfg.strategy.kind == "ps":
-        check_shards(cfg, model)
-    if cfg.strategy.kind == "fsdp":
-        from trainstack.strategies.tensor_parallel import check_tensor_parallel
-
-        check_tensor_parallel(model, cfg.strategy.tensor_parallel)
+    for check in kind_of(cfg).checks():  # the layout's own checks of the built model
+        check(cfg, model)
     return PreflightReport(
         cfg=cfg,
         data_fingerprint=corpus.fingerprint,
@@ -170,14 +163,3 @@ def check_model_runs(cfg: JobConfig, model: nn.Module, *, task: Task, corpus: So
         raise ConfigError(
             f"{what} failed on the output of model {where!r}: {describe_exception(e)}"
         ) from None
-
-
-def check_shards(cfg: JobConfig, model: nn.Module) -> None:
-    """A parameter-server shard holds at least one parameter tensor."""
-    tensors = len(list(model.parameters()))
-    shards = cfg.strategy.num_shards
-    if shards > tensors:
-        raise ConfigError(
-            f"strategy.num_shards={shards} is more than the model's {tensors} parameter "
-            f"tensors; allowed: 1 to {tensors}"
-        )

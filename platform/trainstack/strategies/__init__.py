@@ -1,4 +1,5 @@
-"""Parallelism strategies, by the name a job spec's `strategy.kind` uses.
+"""Parallelism strategies; `trainstack.strategy_kinds` names the class each
+`strategy.kind` builds.
 
 Each strategy's module is imported when a job asks for it: torch's pipelining, FSDP,
 tensor-parallel and DeepSpeed modules cost every worker process seconds of start-up,
@@ -7,31 +8,12 @@ and a job uses one of them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from trainstack.config import JobConfig
 from trainstack.strategies.base import StepOutput, Strategy, WorkerContext
+from trainstack.strategy_kinds import kind_of
 
 
-def _ddp(cfg: JobConfig, ctx: WorkerContext) -> Strategy:
-    from trainstack.strategies.ddp import DDPStrategy
-
-    return DDPStrategy(cfg, ctx)
-
-
-def _zero(cfg: JobConfig, ctx: WorkerContext) -> Strategy:
-    from trainstack.strategies.zero import ZeROStrategy
-
-    return ZeROStrategy(cfg, ctx)
-
-
-def _fsdp(cfg: JobConfig, ctx: WorkerContext) -> Strategy:
-    from trainstack.strategies.fsdp import FSDPStrategy
-
-    return FSDPStrategy(cfg, ctx)
-
-
-def _pipeline(cfg: JobConfig, ctx: WorkerContext) -> Strategy:
+def build_pipeline(cfg: JobConfig, ctx: WorkerContext) -> Strategy:
     """`strategy.engine` picks the implementation."""
     if cfg.strategy.engine == "deepspeed":
         from trainstack.strategies.pipeline_deepspeed import DeepSpeedPipelineStrategy
@@ -42,16 +24,13 @@ def _pipeline(cfg: JobConfig, ctx: WorkerContext) -> Strategy:
     return PipelineStrategy(cfg, ctx)
 
 
-STRATEGIES: dict[str, Callable[[JobConfig, WorkerContext], Strategy]] = {
-    "ddp": _ddp,
-    "zero": _zero,
-    "fsdp": _fsdp,
-    "pipeline": _pipeline,
-}
-
-
 def build_strategy(cfg: JobConfig, ctx: WorkerContext) -> Strategy:
-    return STRATEGIES[cfg.strategy.kind](cfg, ctx)
+    """The spec's strategy on this worker, built by what its kind's entry names."""
+    kind = kind_of(cfg)
+    if not kind.build:
+        raise ValueError(f"strategy.kind={kind.name} does not run as a worker group's strategy")
+    strategy: Strategy = kind.builder()(cfg, ctx)
+    return strategy
 
 
-__all__ = ["STRATEGIES", "StepOutput", "Strategy", "WorkerContext", "build_strategy"]
+__all__ = ["StepOutput", "Strategy", "WorkerContext", "build_pipeline", "build_strategy"]

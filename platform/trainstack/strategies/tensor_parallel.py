@@ -42,7 +42,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from trainstack.config import ConfigError
+from trainstack.config import ConfigError, JobConfig
 from trainstack.models.gpt import GPT, Block, GPTEmbedding, GPTHead
 from trainstack.models.hf import HFCausalLM
 
@@ -90,6 +90,12 @@ def _shared_parameters(layers: list[nn.Module]) -> list[list[tuple[nn.Module, st
             for name, param in module.named_parameters(recurse=False):
                 uses.setdefault(id(param), []).append((module, name))
     return [pairs for pairs in uses.values() if len(pairs) > 1]
+
+
+def check_model_splits(cfg: JobConfig, model: nn.Module) -> None:
+    """Pre-flight for `strategy.kind: fsdp`: `strategy.tensor_parallel` divides every size
+    the model's plan splits."""
+    check_tensor_parallel(model, cfg.strategy.tensor_parallel)
 
 
 def check_tensor_parallel(model: nn.Module, degree: int) -> None:

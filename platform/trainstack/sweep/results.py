@@ -135,7 +135,7 @@ def format_table(rows: Sequence[TrialRow], *, best: TrialRow | None) -> str:
 
 
 def write_csv(rows: Sequence[TrialRow], path: Path) -> None:
-    from trainstack.checkpoint import write_text_atomically
+    from trainstack.files import write_text_atomically
 
     keys = sorted({k for r in rows for k in r.overrides})
     out = io.StringIO()

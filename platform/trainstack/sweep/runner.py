@@ -26,9 +26,15 @@ import ray
 import yaml
 from ray import tune
 
-from trainstack.checkpoint import write_text_atomically
 from trainstack.config import ConfigError, config_to_dict, set_key
-from trainstack.runtime.launcher import connect
+from trainstack.files import write_text_atomically
+from trainstack.observe.tracking import (
+    MlflowTracker,
+    NullTracker,
+    mlflow_tracker,
+    resolve_tracking_uri,
+)
+from trainstack.runtime.cluster import connect
 from trainstack.sweep import tuning
 from trainstack.sweep.results import (
     COMPLETED,
@@ -47,12 +53,6 @@ from trainstack.sweep.results import (
 from trainstack.sweep.spec import SweepConfig
 from trainstack.sweep.trial import COMPLETED as COMPLETED_FLAG
 from trainstack.sweep.trial import TrialPlan, chosen_values, run_trial, trial_job
-from trainstack.tracking import (
-    MlflowTracker,
-    NullTracker,
-    mlflow_tracker,
-    resolve_tracking_uri,
-)
 
 STATE_FILE = "sweep.json"
 """What the sweep was started with; `--resume` must find the same."""
@@ -396,7 +396,7 @@ def _write_best(sweep: SweepConfig, best: TrialRow) -> Path:
 def _close_trial_runs(parent: MlflowTracker, plan: TrialPlan, rows: list[TrialRow]) -> None:
     """A trial ASHA stopped (or that failed for good) leaves its MLflow run RUNNING:
     end it as KILLED (FAILED) and tag every trial's run with how its trial ended."""
-    from trainstack.tracking import RECORD_FILE
+    from trainstack.observe.tracking import RECORD_FILE
 
     for row in rows:
         try:

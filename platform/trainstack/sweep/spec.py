@@ -40,7 +40,8 @@ from trainstack.config import (
     parse_override,
     set_key,
 )
-from trainstack.config_fields import build_section, field_types, got, show
+from trainstack.config_fields import build_section, field_types
+from trainstack.errors import got, show
 
 DISTRIBUTIONS = ("uniform", "loguniform", "randint", "lograndint")
 SEARCH_ALGORITHMS = ("auto", "grid", "random", "optuna")

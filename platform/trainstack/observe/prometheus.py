@@ -32,7 +32,7 @@ from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
 import torch
 
 from trainstack.config import JobConfig
-from trainstack.metrics import peak_memory_bytes
+from trainstack.observe.throughput import peak_memory_bytes
 
 RANK_TAGS = ("job_name", "run_id", "rank")
 SHARD_TAGS = ("job_name", "run_id", "shard")
@@ -44,7 +44,7 @@ parameter-server actor (counted by the restarted actor itself)."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class Series:
+class ExportedSeries:
     """One exported metric: its name before Ray's `ray_` prefix, kind and tags."""
 
     name: str
@@ -65,79 +65,79 @@ class Series:
         return (base,)
 
 
-LOSS = Series(
+LOSS = ExportedSeries(
     name="trainstack_loss",
     kind="gauge",
     description="Training loss over the last log window (sync: mean over the group).",
 )
-EVAL_LOSS = Series(
+EVAL_LOSS = ExportedSeries(
     name="trainstack_eval_loss",
     kind="gauge",
     description="Held-out loss at the last evaluation step.",
 )
-TOKENS_PER_SECOND = Series(
+TOKENS_PER_SECOND = ExportedSeries(
     name="trainstack_tokens_per_second",
     kind="gauge",
     description="Tokens per second this rank trains; the job's throughput is the sum over ranks.",
 )
-SAMPLES_PER_SECOND = Series(
+SAMPLES_PER_SECOND = ExportedSeries(
     name="trainstack_samples_per_second",
     kind="gauge",
     description="Samples per second this rank trains; the job's throughput is the sum over ranks.",
 )
-MFU = Series(
+MFU = ExportedSeries(
     name="trainstack_mfu_ratio",
     kind="gauge",
     description="Model FLOPs utilisation (0-1); only where the device's peak FLOP/s is known.",
 )
-STEP_TIME = Series(
+STEP_TIME = ExportedSeries(
     name="trainstack_step_time_seconds",
     kind="gauge",
     description="Mean wall time of one optimizer step (ps: one push) over the last log window.",
 )
-COMM_EXPOSED = Series(
+COMM_EXPOSED = ExportedSeries(
     name="trainstack_comm_exposed_seconds",
     kind="gauge",
     description="Communication time per step not hidden behind compute (ps: push + pull).",
 )
-COMM_EXPOSED_RATIO = Series(
+COMM_EXPOSED_RATIO = ExportedSeries(
     name="trainstack_comm_exposed_ratio",
     kind="gauge",
     description="Exposed communication time over step time (0-1).",
 )
-PEAK_MEMORY = Series(
+PEAK_MEMORY = ExportedSeries(
     name="trainstack_peak_memory_bytes",
     kind="gauge",
     description="Peak memory of this rank: allocated GPU memory, or peak RSS on CPU.",
 )
-WIRE_BYTES = Series(
+WIRE_BYTES = ExportedSeries(
     name="trainstack_step_wire_bytes",
     kind="gauge",
     description="Bytes this rank put on the wire per step, as measured (ps: pushed gradients).",
 )
-COMPRESSION_RATIO = Series(
+COMPRESSION_RATIO = ExportedSeries(
     name="trainstack_compression_ratio",
     kind="gauge",
     description="Dense fp32 gradient bytes over bytes on the wire (1: uncompressed).",
 )
-CHECKPOINT_SAVE = Series(
+CHECKPOINT_SAVE = ExportedSeries(
     name="trainstack_checkpoint_save_seconds",
     kind="gauge",
     description="Wall time of this rank's last checkpoint save (staging and commit).",
 )
-RESTARTS = Series(
+RESTARTS = ExportedSeries(
     name="trainstack_restarts",
     kind="counter",
     description="Restarts after a failure: of the worker group, or of a ps worker or shard.",
     tags=RESTART_TAGS,
 )
-PS_UPDATES_PER_SECOND = Series(
+PS_UPDATES_PER_SECOND = ExportedSeries(
     name="trainstack_ps_updates_per_second",
     kind="gauge",
     description="Updates a parameter-server shard applied per second, over about a second.",
     tags=SHARD_TAGS,
 )
-PS_STALENESS = Series(
+PS_STALENESS = ExportedSeries(
     name="trainstack_ps_staleness_updates",
     kind="histogram",
     description="Staleness of each push at a shard: its updates since the worker pulled.",
@@ -145,7 +145,7 @@ PS_STALENESS = Series(
     # Half-integer bounds put each integer staleness up to 4 in a bucket of its own.
     boundaries=(0.5, 1.5, 2.5, 3.5, 4.5, 6.5, 8.5, 12.5, 16.5, 32.5, 64.5),
 )
-PS_QUEUE_DEPTH = Series(
+PS_QUEUE_DEPTH = ExportedSeries(
     name="trainstack_ps_shard_queue_depth",
     kind="gauge",
     description="Mean pushes waiting at or being applied by a shard, over about a second "
@@ -153,7 +153,7 @@ PS_QUEUE_DEPTH = Series(
     tags=SHARD_TAGS,
 )
 
-SERIES: tuple[Series, ...] = (
+SERIES: tuple[ExportedSeries, ...] = (
     LOSS,
     EVAL_LOSS,
     TOKENS_PER_SECOND,
@@ -203,7 +203,7 @@ def actor_was_restarted() -> bool:
     return bool(info) and info is not None and info["NumRestarts"] != 0
 
 
-def _instrument(series: Series) -> Any:
+def _instrument(series: ExportedSeries) -> Any:
     made = _instruments.get(series.name)
     if made is None:
         from ray.util import metrics
@@ -268,17 +268,17 @@ class _Tagged:
         if actor_was_restarted():
             self._inc(RESTARTS, {**self.tags, "component": component})
 
-    def _set(self, series: Series, value: float | None) -> None:
+    def _set(self, series: ExportedSeries, value: float | None) -> None:
         if value is not None:
             _instrument(series).set(float(value), tags=self._tags(series))
 
-    def _observe(self, series: Series, value: float) -> None:
+    def _observe(self, series: ExportedSeries, value: float) -> None:
         _instrument(series).observe(float(value), tags=self._tags(series))
 
-    def _inc(self, series: Series, tags: dict[str, str]) -> None:
+    def _inc(self, series: ExportedSeries, tags: dict[str, str]) -> None:
         _instrument(series).inc(1.0, tags={key: tags[key] for key in series.tags})
 
-    def _tags(self, series: Series) -> dict[str, str]:
+    def _tags(self, series: ExportedSeries) -> dict[str, str]:
         return {key: self.tags[key] for key in series.tags}
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from trainstack.report import MIB, Series, TrackedRun, mfu_missing
+from trainstack.report.runs import MIB, Series, TrackedRun, mfu_missing
 
 FIGSIZE_IN = (12.0, 7.0)
 DPI = 100

@@ -18,16 +18,17 @@ import sys
 from typing import Any
 
 from trainstack.config import ConfigError, JobConfig, load_config
-from trainstack.config_fields import parse_quantity
+from trainstack.planner.layouts import format_value
 from trainstack.planner.plan import Estimate, Hardware, Plan, make_plan
 from trainstack.planner.workload import with_layout, workload_from_spec
+from trainstack.units import format_bytes, format_seconds, parse_quantity
 
 
 def add_plan_parser(
     commands: argparse._SubParsersAction[argparse.ArgumentParser],
 ) -> argparse.ArgumentParser:
     """Add `trainstack plan` to the CLI's subcommands."""
-    from trainstack.cli import add_overrides
+    from trainstack.cli.args import add_overrides
 
     parser = commands.add_parser(
         "plan", help="compare layouts' memory, bytes and modelled step time; pick one"
@@ -200,25 +201,3 @@ def _row_json(plan: Plan, row: Estimate) -> dict[str, Any]:
         "fits": row.fits,
         "recommended": row is plan.recommended,
     }
-
-
-def format_value(value: Any) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def format_bytes(n: float) -> str:
-    """Decimal units, as the flags take them (80 GB = 80e9 bytes), to three significant
-    digits: 1.15 GB, 16.8 MB, 105 GB."""
-    for unit in ("B", "kB", "MB", "GB"):
-        if round(n, 1) < 999.5:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
-        n /= 1000
-    return f"{n:,.0f} TB" if n >= 999.5 else f"{n:.3g} TB"
-
-
-def format_seconds(s: float) -> str:
-    if s >= 1:
-        return f"{s:.2f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.1f} ms"
-    return f"{s * 1e6:.1f} µs"

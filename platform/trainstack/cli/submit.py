@@ -30,7 +30,7 @@ DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 
 
 def add_submit_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from trainstack.cli import add_overrides
+    from trainstack.cli.args import add_overrides
 
     parser = commands.add_parser(
         "submit", help="run a job spec on a Ray cluster through its Job API, named after it"

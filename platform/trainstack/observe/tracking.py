@@ -27,8 +27,8 @@ from typing import Any, Protocol, TypeVar
 import yaml
 
 import trainstack
-from trainstack.checkpoint import write_text_atomically
 from trainstack.config import JobConfig, config_to_dict
+from trainstack.files import write_text_atomically
 
 RECORD_FILE = "tracking.json"
 MAX_PARAM_CHARS = 6000

@@ -1,0 +1,78 @@
+"""Where a run's Ray is: connecting (an address, else an embedded local instance), the
+dashboard's address, placement beside the driver, and the environment workers on a
+`ray start` cluster would not otherwise have."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import ray
+import ray.train
+import ray.train.torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from trainstack.config import JobConfig
+from trainstack.storage import (
+    credential_env,
+    is_store_uri,
+)
+from trainstack.strategy_kinds import kind_of
+
+
+def connect(address: str | None, *, log_to_driver: bool = True) -> bool:
+    """Connect to Ray as `ray_target` says; return True when this call started an
+    embedded local instance."""
+    target = ray_target(address)
+    if target == "cluster":
+        ray.init(address=address or os.environ["RAY_ADDRESS"], log_to_driver=log_to_driver)
+    elif target == "local":
+        # "local": a new instance even when a `ray start` cluster runs on this machine.
+        ray.init(address="local", log_to_driver=log_to_driver)
+    return target == "local"
+
+
+def dashboard_line() -> str:
+    """Where to watch the run (call once connected): the Ray dashboard's address and,
+    with token authentication on, how to get past its login."""
+    from ray._private import worker
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+    node = worker._global_node
+    url = f"http://{node.webui_url}" if node is not None and node.webui_url else None
+    line = f"Ray dashboard: {url}" if url else "Ray dashboard: not started by this Ray"
+    if url and is_token_auth_enabled():
+        line += " (it asks for the cluster's token: paste what `ray get-auth-token` prints)"
+    return line
+
+
+def ray_target(address: str | None) -> str | None:
+    """What `connect(address)` will do: `local` (start an embedded instance on this
+    machine), `cluster` (join `address`, else `$RAY_ADDRESS`), or None (Ray is already
+    running in this process)."""
+    if ray.is_initialized():
+        return None
+    return "cluster" if address or os.environ.get("RAY_ADDRESS") else "local"
+
+
+def on_this_node() -> NodeAffinitySchedulingStrategy:
+    """Placement beside the driver, for the run's small actors (the event queue): they
+    live and die with the driver, never with a worker node that is lost."""
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
+def worker_env(cfg: JobConfig) -> dict[str, str]:
+    """Environment the workers need that a `ray start` cluster would not give them."""
+    env: dict[str, str] = {}
+    user_paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if user_paths:  # where the user's model and loss code lives (model.target, task.loss)
+        env["PYTHONPATH"] = os.pathsep.join(str(Path(p).resolve()) for p in user_paths)
+    if kind_of(cfg).engine_of(cfg) == "deepspeed":  # its JIT-built ops (cpu_adam): build once
+        cache = os.environ.get("TORCH_EXTENSIONS_DIR") or ".cache/torch_extensions"
+        env["TORCH_EXTENSIONS_DIR"] = str(Path(cache).resolve())
+    if is_store_uri(cfg.checkpoint.storage_path):
+        # Object-store credentials travel in the workers' runtime env (never in the spec,
+        # which every checkpoint copies): each worker builds its own pyarrow filesystem
+        # from `checkpoint.storage_options`, and pyarrow reads these from its environment.
+        env.update(credential_env())
+    return env

@@ -1,0 +1,119 @@
+"""What each `strategy.kind` is, in one table: the only place a kind is named.
+
+Callers ask the kind's entry (`kind_of(cfg)`) what they need to know instead of
+comparing strings: where it runs, which engine trains it, whether it shards model state
+or lays ranks on a mesh, what it checks of a built model, and what builds it on a
+worker. Adding a strategy is its own module under `strategies/` and one entry here.
+Pure Python: the spec's checks (below the engines) read this table too; the engines'
+code is named by import path and imported only where a job uses it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from trainstack.config import JobConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategyKind:
+    name: str
+    runs_on: Literal["ray_train", "actors", "plan"]
+    """`ray_train`: a Ray Train worker group; `actors`: plain Ray actors (the parameter
+    server's workers and shards); `plan`: replaced by the plan's layout before anything
+    runs (`auto`)."""
+    engine: Literal["torch", "deepspeed", "strategy.engine"]
+    """Who trains it; `strategy.engine`: the spec's `strategy.engine` says."""
+    float64: bool
+    """Trains in `train.precision: fp64` (on its torch engine)."""
+    shards_state: bool = False
+    """Splits parameters, gradients or optimizer state across ranks."""
+    mesh: bool = False
+    """Lays ranks on a device mesh with `strategy.tensor_parallel` (rank = replica × t +
+    tp rank): replicas are not the ranks themselves."""
+    resumes_other_runs: bool = True
+    """Starts from another run's checkpoint (`--resume-from`)."""
+    dense_hooks: bool = False
+    """Sends each replica's whole gradient through a DDP communication hook (where
+    compression applies AdamW's moments on each rank)."""
+    build: str = ""
+    """`module:callable(cfg, ctx) -> Strategy` run on each worker; empty for kinds that
+    do not run as a worker group's strategy."""
+    model_checks: tuple[str, ...] = ()
+    """`module:callable(cfg, model)` pre-flight runs on the built model before Ray starts."""
+
+    def engine_of(self, cfg: JobConfig) -> str:
+        return cfg.strategy.engine if self.engine == "strategy.engine" else self.engine
+
+    def builder(self) -> Callable[..., Any]:
+        return load(self.build)
+
+    def checks(self) -> list[Callable[..., None]]:
+        return [load(path) for path in self.model_checks]
+
+
+KINDS: dict[str, StrategyKind] = {
+    k.name: k
+    for k in (
+        StrategyKind(
+            name="ddp",
+            runs_on="ray_train",
+            engine="torch",
+            float64=True,
+            dense_hooks=True,
+            build="trainstack.strategies.ddp:DDPStrategy",
+        ),
+        StrategyKind(
+            name="zero",
+            runs_on="ray_train",
+            engine="deepspeed",
+            float64=False,
+            shards_state=True,
+            build="trainstack.strategies.zero:ZeROStrategy",
+        ),
+        StrategyKind(
+            name="fsdp",
+            runs_on="ray_train",
+            engine="torch",
+            float64=True,
+            shards_state=True,
+            mesh=True,
+            build="trainstack.strategies.fsdp:FSDPStrategy",
+            model_checks=("trainstack.strategies.tensor_parallel:check_model_splits",),
+        ),
+        StrategyKind(
+            name="pipeline",
+            runs_on="ray_train",
+            engine="strategy.engine",
+            float64=True,
+            mesh=True,
+            build="trainstack.strategies:build_pipeline",
+            model_checks=("trainstack.strategies.pipeline_split:check_pipeline_model",),
+        ),
+        StrategyKind(
+            name="ps",
+            runs_on="actors",
+            engine="torch",
+            float64=False,
+            resumes_other_runs=False,
+            model_checks=("trainstack.ps.partition:check_shards",),
+        ),
+        StrategyKind(name="auto", runs_on="plan", engine="torch", float64=False),
+    )
+}
+"""Every `strategy.kind`, by name."""
+
+
+def kind_of(cfg: JobConfig) -> StrategyKind:
+    return KINDS[cfg.strategy.kind]
+
+
+def load(path: str) -> Callable[..., Any]:
+    """The callable `module:attribute` names (imported on first use)."""
+    module, _, attribute = path.partition(":")
+    found: Callable[..., Any] = getattr(importlib.import_module(module), attribute)
+    return found
