@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from trainstack.config_layout import validate_mesh
 from trainstack.errors import ConfigError, show
 from trainstack.storage import check_uri, is_store_uri
-from trainstack.strategy_kinds import KINDS, kind_of
+from trainstack.strategy_kinds import KINDS, kind_of, kinds_that
 from trainstack.units import parse_quantity
 
 if TYPE_CHECKING:
@@ -558,7 +558,7 @@ def _validate_parameter_server(cfg: JobConfig) -> None:
     f = cfg.faults
     _require("faults.slow_factor", f.slow_factor >= 1, f.slow_factor, ">= 1")
     _cap("faults.slow_factor", f.slow_factor, MAX_SLOW_FACTOR)
-    if s.kind != "ps":
+    if kind_of(cfg).runs_on != "actors":  # what follows is the parameter server's
         return
     if s.staleness_bound and s.consistency != "ssp" and not s.reject_beyond_bound:
         raise ConfigError(
@@ -689,14 +689,17 @@ def _validate_compression(cfg: JobConfig) -> None:
             "compression.auto_link_gbit models the link for kind auto; "
             f"compression.kind is {c.kind}"
         )
-    if c.kind == "auto" and cfg.strategy.kind != "ddp":
+    kind = kind_of(cfg)
+    if c.kind == "auto" and not kind.dense_hooks:
         raise ConfigError(
             f"compression.kind=auto adapts a DDP hook to the network; strategy.kind is "
-            f"{cfg.strategy.kind} (allowed: ddp, or a fixed kind such as topk for ps)"
+            f"{kind.name} (allowed: {kinds_that(lambda k: k.dense_hooks)}, or a fixed kind "
+            "such as topk where the strategy compresses)"
         )
-    if c.kind != "none" and cfg.strategy.kind not in ("ddp", "ps"):
+    if c.kind != "none" and not kind.compresses:
         raise ConfigError(
-            f"compression.kind={c.kind} needs strategy.kind=ddp or ps; got {cfg.strategy.kind}"
+            f"compression.kind={c.kind} needs strategy.kind="
+            f"{kinds_that(lambda k: k.compresses, last=' or ')}; got {kind.name}"
         )
     steps = cfg.train.steps
     _require(
@@ -712,10 +715,10 @@ def _validate_compression(cfg: JobConfig) -> None:
                 f"compression.{key} applies to lossy compression (topk, randk, qsgd, sign, "
                 f"powersgd); compression.kind is {c.kind}"
             )
-        if on and cfg.strategy.kind != "ddp":
+        if on and not kind.dense_hooks:
             raise ConfigError(
-                f"compression.{key} is a DDP hook's; strategy.kind={cfg.strategy.kind} "
-                "compresses parameter-server pushes without it (allowed: strategy.kind=ddp)"
+                f"compression.{key} is a DDP hook's; strategy.kind={kind.name} compresses "
+                f"without it (allowed: strategy.kind {kinds_that(lambda k: k.dense_hooks)})"
             )
     if c.local_clip and not cfg.optim.grad_clip:
         raise ConfigError(
@@ -804,11 +807,13 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
 
 def _validate_object_store(cfg: JobConfig) -> None:
     """What cannot keep its files in an object store yet."""
-    if cfg.strategy.kind == "ps" and is_store_uri(cfg.checkpoint.storage_path):
+    kind = kind_of(cfg)
+    if not kind.object_store_checkpoints and is_store_uri(cfg.checkpoint.storage_path):
         raise ConfigError(
-            f"checkpoint.storage_path={show(cfg.checkpoint.storage_path)}: strategy.kind=ps "
-            "keeps its shard checkpoints in a shared filesystem, not an object store; allowed: "
-            "a path every node mounts (e.g. NFS), or strategy.kind ddp, zero or pipeline"
+            f"checkpoint.storage_path={show(cfg.checkpoint.storage_path)}: strategy.kind="
+            f"{kind.name} keeps its shard checkpoints in a shared filesystem, not an object store; "
+            "allowed: a path every node mounts (e.g. NFS), or strategy.kind "
+            f"{kinds_that(lambda k: k.object_store_checkpoints and k.runs_on == 'ray_train')}"
         )
 
 
@@ -837,10 +842,11 @@ def _validate_streaming(cfg: JobConfig) -> None:
     d, workers = cfg.data, cfg.scaling.num_workers
     if d.kind != "ray":
         return
-    if cfg.strategy.kind == "ps":
+    if kind_of(cfg).runs_on == "actors":
         raise ConfigError(
             "data.kind=ray streams through Ray Train's dataset shards, which the parameter "
-            "server does not use; allowed with strategy.kind ddp, zero or pipeline"
+            "server does not use; allowed with strategy.kind "
+            f"{kinds_that(lambda k: k.runs_on == 'ray_train')}"
         )
     if d.val_fraction:
         raise ConfigError(

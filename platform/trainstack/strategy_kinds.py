@@ -39,7 +39,12 @@ class StrategyKind:
     """Starts from another run's checkpoint (`--resume-from`)."""
     dense_hooks: bool = False
     """Sends each replica's whole gradient through a DDP communication hook (where
-    compression applies AdamW's moments on each rank)."""
+    compression applies AdamW's moments on each rank, warms up, clips locally and
+    adapts to the link)."""
+    compresses: bool = False
+    """Takes `compression:` (a DDP hook, or the parameter server's pushes)."""
+    object_store_checkpoints: bool = True
+    """Keeps its checkpoints in an object store as well as a shared filesystem."""
     build: str = ""
     """`module:callable(cfg, ctx) -> Strategy` run on each worker; empty for kinds that
     do not run as a worker group's strategy."""
@@ -65,6 +70,7 @@ KINDS: dict[str, StrategyKind] = {
             engine="torch",
             float64=True,
             dense_hooks=True,
+            compresses=True,
             build="trainstack.strategies.ddp:DDPStrategy",
         ),
         StrategyKind(
@@ -100,6 +106,8 @@ KINDS: dict[str, StrategyKind] = {
             engine="torch",
             float64=False,
             resumes_other_runs=False,
+            compresses=True,
+            object_store_checkpoints=False,
             model_checks=("trainstack.ps.partition:check_shards",),
         ),
         StrategyKind(name="auto", runs_on="plan", engine="torch", float64=False),
@@ -110,6 +118,13 @@ KINDS: dict[str, StrategyKind] = {
 
 def kind_of(cfg: JobConfig) -> StrategyKind:
     return KINDS[cfg.strategy.kind]
+
+
+def kinds_that(has: Callable[[StrategyKind], bool], *, last: str = ", ") -> str:
+    """The names of the kinds with a property, for a message's `allowed:` (`last` joins
+    the last two: "ddp or ps")."""
+    names = [k.name for k in KINDS.values() if has(k)]
+    return last.join([", ".join(names[:-1]), names[-1]]) if len(names) > 1 else "".join(names)
 
 
 def load(path: str) -> Callable[..., Any]:
