@@ -17,8 +17,8 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --no-compile $(TORCH_SPEC) 2>&1 | $(QUIET_PIP)
-	$(PY) -m pip install -q --no-compile -e '.[dev]' 2>&1 | $(QUIET_PIP)
+	$(PY) -m pip install -q $(TORCH_SPEC) 2>&1 | $(QUIET_PIP)
+	$(PY) -m pip install -q -e '.[dev]' 2>&1 | $(QUIET_PIP)
 	$(PY) -c 'import torch, ray, deepspeed, mlflow, trainstack' >/dev/null 2>&1
 	touch $(STAMP)
 
