@@ -47,7 +47,7 @@ from trainstack.config_checks import (  # noqa: F401  (re-exported for callers)
 )
 from trainstack.config_fields import build_section, field_types, section_to_dict
 from trainstack.errors import ConfigError, got, show
-from trainstack.strategy_kinds import kind_of
+from trainstack.kinds import kind_of
 
 
 @dataclass(kw_only=True)

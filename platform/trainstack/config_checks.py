@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 from trainstack.config_layout import validate_mesh
 from trainstack.errors import ConfigError, show
+from trainstack.kinds import DATA_KINDS as DATA_KIND_TABLE
+from trainstack.kinds import KINDS, kind_of, kinds_that
+from trainstack.kinds import MODEL_KINDS as MODEL_KIND_TABLE
 from trainstack.storage import check_uri, is_store_uri
-from trainstack.strategy_kinds import KINDS, kind_of, kinds_that
 from trainstack.units import parse_quantity
 
 if TYPE_CHECKING:
@@ -30,23 +32,15 @@ if TYPE_CHECKING:
 
 # ---- allowed values (other modules may extend these) ---------------------------
 
-MODEL_KINDS: tuple[str, ...] = ("gpt", "mlp", "custom", "hf")
-BUILTIN_MODEL_KINDS: tuple[str, ...] = ("gpt", "mlp")
+MODEL_KINDS: tuple[str, ...] = tuple(MODEL_KIND_TABLE)
+BUILTIN_MODEL_KINDS: tuple[str, ...] = tuple(k.name for k in MODEL_KIND_TABLE.values() if k.builtin)
 """Models whose structure the spec alone determines; the others are built to be known."""
 TASK_KINDS: tuple[str, ...] = ("lm", "classify")
-DATA_KINDS: tuple[str, ...] = ("markov", "clusters", "tokens", "text", "arrays", "ray", "custom")
-DATA_TASKS: dict[str, str] = {
-    "markov": "lm",
-    "clusters": "classify",
-    "tokens": "lm",
-    "text": "lm",
-    "arrays": "classify",
-    "ray": "lm",
-}
+DATA_KINDS: tuple[str, ...] = tuple(DATA_KIND_TABLE)
+DATA_TASKS: dict[str, str] = {k.name: k.task for k in DATA_KIND_TABLE.values() if k.task}
 """The task each data source's samples are for (custom serves either)."""
 TOKEN_DTYPES: tuple[str, ...] = ("auto", "uint16", "uint32")
 RAY_FORMATS: tuple[str, ...] = ("parquet", "json", "text")
-"""The task each data source's samples are for."""
 IMPORT_PATH = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*")
 """`package.module:attribute`, the form of model.target and task.loss."""
 MAX_CLASSES = 1000
@@ -374,7 +368,7 @@ def _validate_data(d: DataConfig) -> None:
         )
 
 
-FILE_SOURCES: tuple[str, ...] = ("tokens", "text", "arrays", "ray")
+FILE_SOURCES: tuple[str, ...] = tuple(k.name for k in DATA_KIND_TABLE.values() if k.files)
 """Sources that read the user's files, named by `data.train` / `data.val`."""
 
 

@@ -9,11 +9,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from trainstack.errors import ConfigError
+from trainstack.kinds import MODEL_KINDS
 
 if TYPE_CHECKING:
     from trainstack.config import JobConfig
 
-TENSOR_PARALLEL_MODELS: tuple[str, ...] = ("gpt", "hf")
+TENSOR_PARALLEL_MODELS: tuple[str, ...] = tuple(
+    k.name for k in MODEL_KINDS.values() if k.tensor_parallel
+)
 """Model kinds with a tensor-parallel plan (`strategies/tensor_parallel.py`; hf: llama,
 its sizes checked in pre-flight on the built model)."""
 MAX_DEGREE = 4096

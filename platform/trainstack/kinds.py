@@ -1,11 +1,14 @@
-"""What each `strategy.kind` is, in one table: the only place a kind is named.
+"""Every kind a job spec names, in one table each: `strategy.kind`, `model.kind` and
+`data.kind`. The only place a kind is named.
 
-Callers ask the kind's entry (`kind_of(cfg)`) what they need to know instead of
-comparing strings: where it runs, which engine trains it, whether it shards model state
-or lays ranks on a mesh, what it checks of a built model, and what builds it on a
-worker. Adding a strategy is its own module under `strategies/` and one entry here.
-Pure Python: the spec's checks (below the engines) read this table too; the engines'
-code is named by import path and imported only where a job uses it.
+Callers ask the kind's entry (`kind_of(cfg)`, `MODEL_KINDS[...]`, `DATA_KINDS[...]`)
+what they need to know instead of comparing strings: where a strategy runs, which
+engine trains it, whether it shards model state or lays ranks on a mesh, what it checks
+of a built model, what builds it; which task a data source serves and whether it reads
+files. Adding a strategy, a model family or a data source is its own module and one
+entry here. Pure Python: the spec's checks (below the engines) read these tables too;
+the code that builds each kind is named by import path and imported only where a job
+uses it.
 """
 
 from __future__ import annotations
@@ -127,8 +130,65 @@ def kinds_that(has: Callable[[StrategyKind], bool], *, last: str = ", ") -> str:
     return last.join([", ".join(names[:-1]), names[-1]]) if len(names) > 1 else "".join(names)
 
 
-def load(path: str) -> Callable[..., Any]:
-    """The callable `module:attribute` names (imported on first use)."""
+def load(path: str) -> Any:
+    """What `module:attribute` names (the module imported on first use)."""
     module, _, attribute = path.partition(":")
-    found: Callable[..., Any] = getattr(importlib.import_module(module), attribute)
-    return found
+    return getattr(importlib.import_module(module), attribute)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelKind:
+    name: str
+    build: str
+    """`module:callable(cfg, *, vocab_size) -> nn.Module`."""
+    builtin: bool = False
+    """Its structure follows from the spec alone: parameters counted by formula
+    (`count_parameters`), blocks known."""
+    tensor_parallel: bool = False
+    """Has a tensor-parallel plan (`strategy.tensor_parallel` > 1)."""
+
+    def builder(self) -> Any:
+        return load(self.build)
+
+
+MODEL_KINDS: dict[str, ModelKind] = {
+    k.name: k
+    for k in (
+        ModelKind(
+            name="gpt", build="trainstack.models.gpt:GPT", builtin=True, tensor_parallel=True
+        ),
+        ModelKind(name="mlp", build="trainstack.models.mlp:WindowMLP", builtin=True),
+        ModelKind(name="custom", build="trainstack.models.custom:build_custom_model"),
+        ModelKind(name="hf", build="trainstack.models.hf:build_hf_model", tensor_parallel=True),
+    )
+}
+"""Every `model.kind`, by name."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataKind:
+    name: str
+    build: str
+    """`module:Class` whose `from_config(data_section)` builds the corpus."""
+    task: Literal["lm", "classify", ""]
+    """The task its samples are for (empty: either, as the user's own dataset says)."""
+    files: bool = False
+    """Reads the user's files (`data.train` / `data.val`, resolved against the spec)."""
+
+
+DATA_KINDS: dict[str, DataKind] = {
+    k.name: k
+    for k in (
+        DataKind(name="markov", build="trainstack.data.markov:MarkovCorpus", task="lm"),
+        DataKind(name="clusters", build="trainstack.data.clusters:ClustersCorpus", task="classify"),
+        DataKind(name="tokens", build="trainstack.data.tokens:TokenCorpus", task="lm", files=True),
+        DataKind(name="text", build="trainstack.data.text:TextCorpus", task="lm", files=True),
+        DataKind(
+            name="arrays", build="trainstack.data.arrays:ArrayCorpus", task="classify", files=True
+        ),
+        DataKind(name="ray", build="trainstack.data.ray_source:RaySource", task="lm", files=True),
+        DataKind(name="custom", build="trainstack.data.custom_dataset:DatasetCorpus", task=""),
+    )
+}
+"""Every `data.kind`, by name (`ray`: pre-flight's view; workers stream through
+`data.ray_stream`)."""

@@ -30,7 +30,7 @@ from trainstack.compression.lowrank import LowRank, PowerSGDHook
 from trainstack.compression.quantize import QSGD, Cast, Sign
 from trainstack.compression.sparsify import RandK, TopK
 from trainstack.config import CompressionConfig, JobConfig, OptimConfig
-from trainstack.strategy_kinds import kind_of
+from trainstack.kinds import kind_of
 
 
 def build_compressor(cfg: CompressionConfig, *, seed: int, rank: int) -> Compressor:

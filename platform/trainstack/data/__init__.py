@@ -1,4 +1,4 @@
-"""Data sources (an explicit name -> class dict) and deterministic rank sharding.
+"""Data sources (by the name `trainstack.kinds` gives each) and deterministic rank sharding.
 
 Every source serves `(inputs, targets)` micro-batches by global sample index
 (`sharding.Corpus`) and names its data by a `fingerprint`: synthetic `markov` token
@@ -23,6 +23,7 @@ from trainstack.data.ray_source import RaySource
 from trainstack.data.sharding import Batch, Corpus, DataCursor, ShardedBatches, eval_batches
 from trainstack.data.text import TextCorpus
 from trainstack.data.tokens import TokenCorpus
+from trainstack.kinds import DATA_KINDS, load
 
 Source = MarkovCorpus | ClustersCorpus | IndexedCorpus | TokenCorpus | RaySource
 """The built-in data sources: a corpus with a `fingerprint`."""
@@ -34,15 +35,8 @@ class SourceKind(Protocol):
     def from_config(self, cfg: DataConfig) -> Source: ...
 
 
-DATA_SOURCES: dict[str, SourceKind] = {
-    "markov": MarkovCorpus,
-    "clusters": ClustersCorpus,
-    "tokens": TokenCorpus,
-    "text": TextCorpus,
-    "arrays": ArrayCorpus,
-    "custom": DatasetCorpus,
-    "ray": RaySource,  # pre-flight's view; workers stream through `ray_stream`
-}
+DATA_SOURCES: dict[str, SourceKind] = {k.name: load(k.build) for k in DATA_KINDS.values()}
+"""The data sources by `data.kind` (`trainstack.kinds` names them)."""
 
 
 def build_corpus(cfg: DataConfig) -> Source:

@@ -24,13 +24,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from trainstack.config import ConfigError, ModelConfig
+from trainstack.kinds import MODEL_KINDS
 from trainstack.models.gpt import GPT
 from trainstack.models.mlp import WindowMLP
 
 Model = GPT | WindowMLP
 """The built-in models."""
 
-MODELS: dict[str, type[Model]] = {"gpt": GPT, "mlp": WindowMLP}
+MODELS: dict[str, type[Model]] = {k.name: k.builder() for k in MODEL_KINDS.values() if k.builtin}
+"""The built-in models by `model.kind` (their parameters are counted by formula)."""
 
 
 def build_model(cfg: ModelConfig, *, vocab_size: int, seed: int) -> nn.Module:
@@ -52,18 +54,11 @@ def build_model(cfg: ModelConfig, *, vocab_size: int, seed: int) -> nn.Module:
 
 
 def _construct(cfg: ModelConfig, *, vocab_size: int) -> nn.Module:
-    if cfg.kind in MODELS:
-        return MODELS[cfg.kind](cfg, vocab_size=vocab_size)
-    if cfg.kind == "custom":
-        from trainstack.models.custom import build_custom_model
-
-        return build_custom_model(cfg)
-    if cfg.kind == "hf":
-        from trainstack.models.hf import build_hf_model
-
-        return build_hf_model(cfg, vocab_size=vocab_size)
-    allowed = ", ".join([*sorted(MODELS), "custom", "hf"])
-    raise ConfigError(f"model.kind: unknown model {cfg.kind!r}; allowed: {allowed}")
+    if cfg.kind not in MODEL_KINDS:
+        allowed = ", ".join(MODEL_KINDS)
+        raise ConfigError(f"model.kind: unknown model {cfg.kind!r}; allowed: {allowed}")
+    model: nn.Module = MODEL_KINDS[cfg.kind].builder()(cfg, vocab_size=vocab_size)
+    return model
 
 
 def pipeline_layers(model: nn.Module) -> list[nn.Module] | None:

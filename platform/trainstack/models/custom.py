@@ -13,8 +13,9 @@ from trainstack.config import ConfigError, ModelConfig
 from trainstack.user_code import call_target
 
 
-def build_custom_model(cfg: ModelConfig) -> nn.Module:
-    """`cfg.target(**cfg.args)`, checked to be an `nn.Module` with parameters."""
+def build_custom_model(cfg: ModelConfig, *, vocab_size: int = 0) -> nn.Module:
+    """`cfg.target(**cfg.args)`, checked to be an `nn.Module` with parameters (`vocab_size`
+    is not used: the user's args size their model)."""
     model = call_target(
         cfg.target, cfg.args, key="model.target", args_key="model.args", makes="an nn.Module"
     )

@@ -29,12 +29,12 @@ from dataclasses import dataclass
 import torch
 
 from trainstack.config import ConfigError, JobConfig
+from trainstack.kinds import kind_of
 from trainstack.machine import local_cpus, local_gpus, local_memory_bytes
 from trainstack.planner.choose import layout_of
 from trainstack.planner.memory import model_state_bytes, parameter_server_bytes
 from trainstack.planner.workload import parameter_count as planned_parameter_count
 from trainstack.planner.workload import state_element_bytes
-from trainstack.strategy_kinds import kind_of
 from trainstack.units import format_bytes
 
 

@@ -13,11 +13,11 @@ import ray.train.torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from trainstack.config import JobConfig
+from trainstack.kinds import kind_of
 from trainstack.storage import (
     credential_env,
     is_store_uri,
 )
-from trainstack.strategy_kinds import kind_of
 
 
 def connect(address: str | None, *, log_to_driver: bool = True) -> bool:

@@ -30,6 +30,7 @@ from ray.util.queue import Queue
 from trainstack import checkpoint as ckpt
 from trainstack.config import ConfigError, JobConfig, config_from_dict, config_to_dict
 from trainstack.data.ray_source import ray_datasets, ray_ingest_config
+from trainstack.kinds import kind_of
 from trainstack.observe.prometheus import RunTelemetry
 from trainstack.observe.tracking import Tracker, start_tracking
 from trainstack.planner.choose import check_layout_fits, resolve_auto
@@ -52,7 +53,6 @@ from trainstack.storage import (
     with_env_credentials,
 )
 from trainstack.strategies import WorkerContext
-from trainstack.strategy_kinds import kind_of
 
 
 class RunFailedError(RuntimeError):

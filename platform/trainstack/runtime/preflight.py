@@ -27,9 +27,9 @@ from trainstack.config import ConfigError, JobConfig
 from trainstack.data import Source, build_corpus
 from trainstack.data.paths import resolve_data
 from trainstack.errors import first_line, show
+from trainstack.kinds import kind_of
 from trainstack.models import block_classes, build_model, num_params
 from trainstack.storage import OPTION_SCHEMES, StorePath, is_store_uri, open_location
-from trainstack.strategy_kinds import kind_of
 from trainstack.tasks import Task, TaskOutputError, build_task
 from trainstack.user_code import describe_exception
 

@@ -1,4 +1,4 @@
-"""Parallelism strategies; `trainstack.strategy_kinds` names the class each
+"""Parallelism strategies; `trainstack.kinds` names the class each
 `strategy.kind` builds.
 
 Each strategy's module is imported when a job asks for it: torch's pipelining, FSDP,
@@ -9,8 +9,8 @@ and a job uses one of them.
 from __future__ import annotations
 
 from trainstack.config import JobConfig
+from trainstack.kinds import kind_of
 from trainstack.strategies.base import StepOutput, Strategy, WorkerContext
-from trainstack.strategy_kinds import kind_of
 
 
 def build_pipeline(cfg: JobConfig, ctx: WorkerContext) -> Strategy:
