@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from trainstack.config import DataConfig
-from trainstack.config_checks import MAX_TEMPLATE_NUMEL
+from trainstack.config.checks.allowed import MAX_TEMPLATE_NUMEL
 from trainstack.data.markov import EVAL_START, index_uniforms, stream_key
 from trainstack.data.sharding import Batch
 

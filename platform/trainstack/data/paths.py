@@ -15,7 +15,7 @@ import glob
 from pathlib import Path
 
 from trainstack.config import ConfigError, JobConfig
-from trainstack.config_checks import FILE_SOURCES
+from trainstack.config.checks.allowed import FILE_SOURCES
 from trainstack.data.text import stdlib_pattern
 from trainstack.storage import local_storage
 

@@ -20,7 +20,7 @@ sequence parallelism: its rotary embeddings are computed from the sequence a lay
 sees, so the residual stream stays whole on every rank (one all-reduce after each
 row-parallel layer) and its RMSNorm weights are replicated DTensors.
 
-The spec's checks (`config_layout`) refuse other models and GPT sizes the degree does
+The spec's checks (`config.layout`) refuse other models and GPT sizes the degree does
 not divide before anything starts; pre-flight checks a Llama's sizes on the built model
 (`check_tensor_parallel`).
 """
@@ -52,7 +52,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, loss_paralle
     if isinstance(model, HFCausalLM):
         _parallelize_llama(model, tp_mesh, loss_parallel=loss_parallel)
         return
-    assert isinstance(model, GPT), "config_layout admits tensor parallelism for GPT and hf"
+    assert isinstance(model, GPT), "config.layout admits tensor parallelism for GPT and hf"
     # The GPT's pipeline layers hold its own modules: sharding them shards the model.
     apply_tensor_parallel_to_layers(model.pipeline_layers(), tp_mesh, loss_parallel=loss_parallel)
 

@@ -40,7 +40,7 @@ from trainstack.config import (
     parse_override,
     set_key,
 )
-from trainstack.config_fields import build_section, field_types
+from trainstack.config.fields import build_section, field_types
 from trainstack.errors import got, show
 
 DISTRIBUTIONS = ("uniform", "loguniform", "randint", "lograndint")

@@ -1,7 +1,7 @@
 """Checks of a `strategy.kind: fsdp` layout: the mesh `[dp_replicate, dp_shard, tp]`
 must tile the workers, and tensor parallelism must divide the model it cuts.
 
-Pure Python, run with the rest of the spec's validation (`config_checks.validate`).
+Pure Python, run with the rest of the spec's validation (`config.checks.validate`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from trainstack.errors import ConfigError
 from trainstack.kinds import MODEL_KINDS
 
 if TYPE_CHECKING:
-    from trainstack.config import JobConfig
+    from trainstack.config.sections import JobConfig
 
 TENSOR_PARALLEL_MODELS: tuple[str, ...] = tuple(
     k.name for k in MODEL_KINDS.values() if k.tensor_parallel

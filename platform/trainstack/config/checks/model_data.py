@@ -1,0 +1,226 @@
+"""Checks of the model, task and data sections."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from trainstack.config.checks.allowed import (
+    BUILTIN_MODEL_KINDS,
+    DATA_KINDS,
+    DATA_TASKS,
+    FILE_SOURCES,
+    IMPORT_PATH,
+    MAX_BLOCK_SIZE,
+    MAX_CLASSES,
+    MAX_EVAL_SAMPLES,
+    MAX_INPUT_NUMEL,
+    MAX_LAYERS,
+    MAX_MARKOV_ORDER,
+    MAX_MARKOV_STATES,
+    MAX_SEED,
+    MAX_TEMPLATE_NUMEL,
+    MAX_VOCAB_SIZE,
+    MAX_WIDTH,
+    MODEL_KINDS,
+    RAY_FORMATS,
+    TASK_KINDS,
+    TOKEN_DTYPES,
+)
+from trainstack.config.checks.common import cap, check_choice, next_multiple, require
+from trainstack.errors import ConfigError, show
+from trainstack.kinds import kind_of, kinds_that
+
+if TYPE_CHECKING:
+    from trainstack.config.sections import (
+        DataConfig,
+        JobConfig,
+        ModelConfig,
+    )
+
+
+def validate_model(m: ModelConfig) -> None:
+    check_choice("model.kind", m.kind, MODEL_KINDS)
+    require("model.n_layer", m.n_layer >= 1, m.n_layer, ">= 1")
+    cap("model.n_layer", m.n_layer, MAX_LAYERS)
+    require("model.n_head", m.n_head >= 1, m.n_head, ">= 1")
+    cap("model.n_head", m.n_head, MAX_WIDTH)
+    require("model.n_embd", m.n_embd >= 1, m.n_embd, ">= 1")
+    cap("model.n_embd", m.n_embd, MAX_WIDTH)
+    require(
+        "model.block_size",
+        2 <= m.block_size <= MAX_BLOCK_SIZE,
+        m.block_size,
+        f"2 to {MAX_BLOCK_SIZE}",
+    )
+    require("model.dropout", 0 <= m.dropout < 1, m.dropout, "[0, 1)")
+    require("model.context", m.context >= 1, m.context, ">= 1")
+    cap("model.context", m.context, MAX_BLOCK_SIZE)
+    validate_model_source(m)
+    if m.kind == "gpt" and m.n_embd % m.n_head:
+        raise ConfigError(
+            f"model.n_embd={m.n_embd} must be divisible by model.n_head={m.n_head}; "
+            f"allowed: a multiple of {m.n_head}, e.g. {next_multiple(m.n_embd, m.n_head)}"
+        )
+
+
+def validate_model_source(m: ModelConfig) -> None:
+    """The keys that name where a model comes from belong to one kind each."""
+    for key, kind, value in (
+        ("target", "custom", m.target),
+        ("args", "custom", m.args),
+        ("hf", "hf", m.hf),
+        ("pretrained", "hf", m.pretrained),
+    ):
+        if value and m.kind != kind:
+            raise ConfigError(
+                f"model.{key} is set but model.kind={m.kind}; it needs model.kind={kind}"
+            )
+    if m.checkpoint_modules and m.kind in BUILTIN_MODEL_KINDS:
+        raise ConfigError(
+            f"model.checkpoint_modules applies to custom and hf models; model.kind={m.kind} "
+            "checkpoints its own blocks (set model.activation_checkpointing=true)"
+        )
+    if m.kind == "custom":
+        check_import_path("model.target", m.target, what="your model class or factory")
+    if m.kind == "hf" and not m.pretrained and "model_type" not in m.hf:
+        raise ConfigError(
+            "model.hf.model_type is missing; allowed: a Hugging Face model type such as "
+            "llama or gpt2 (or set model.pretrained to a local save_pretrained directory)"
+        )
+    if m.kind == "hf" and "vocab_size" in m.hf:
+        raise ConfigError(
+            f"model.hf.vocab_size={show(m.hf['vocab_size'])} is set; the vocabulary follows "
+            "data.vocab_size, so set that instead"
+        )
+
+
+def check_import_path(key: str, value: str, *, what: str) -> None:
+    if not IMPORT_PATH.fullmatch(value):
+        raise ConfigError(
+            f"{key}={show(value)} is not an import path; allowed: 'package.module:attribute' "
+            f"naming {what}, e.g. 'my_pkg.models:build'"
+        )
+
+
+def validate_task(cfg: JobConfig) -> None:
+    t = cfg.task
+    check_choice("task.kind", t.kind, TASK_KINDS)
+    if t.loss:
+        check_import_path("task.loss", t.loss, what="a function fn(outputs, batch) -> loss")
+    wanted = DATA_TASKS.get(cfg.data.kind)
+    if wanted is not None and wanted != t.kind:
+        raise ConfigError(
+            f"data.kind={cfg.data.kind} gives samples for task.kind={wanted}, not "
+            f"task.kind={t.kind}; choose a {t.kind} data source or set task.kind={wanted}"
+        )
+    if t.kind == "classify" and cfg.model.kind not in ("custom",):
+        raise ConfigError(
+            f"task.kind=classify needs your own model (model.kind=custom); model.kind="
+            f"{cfg.model.kind} is a language model (task.kind=lm)"
+        )
+
+
+def validate_data(d: DataConfig) -> None:
+    check_choice("data.kind", d.kind, DATA_KINDS)
+    require(
+        "data.num_classes", 2 <= d.num_classes <= MAX_CLASSES, d.num_classes, f"2 to {MAX_CLASSES}"
+    )
+    require("data.noise", d.noise > 0, d.noise, "> 0")
+    for i, size in enumerate(d.shape):
+        require(f"data.shape[{i}]", size >= 1, size, ">= 1")
+    shape_ok = 1 <= len(d.shape) <= 4 and math.prod(d.shape) <= MAX_INPUT_NUMEL
+    allowed_shape = f"1 to 4 sizes whose product is at most {MAX_INPUT_NUMEL}"
+    require("data.shape", shape_ok, list(d.shape), allowed_shape)
+    validate_data_files(d)
+    if d.kind == "clusters" and d.num_classes * math.prod(d.shape) > MAX_TEMPLATE_NUMEL:
+        raise ConfigError(
+            f"data.num_classes × data.shape = {d.num_classes} × {list(d.shape)} gives "
+            f"{d.num_classes * math.prod(d.shape)} template values, more than the "
+            f"{MAX_TEMPLATE_NUMEL} (2**25) that fit; lower data.num_classes or data.shape"
+        )
+    require(
+        "data.vocab_size",
+        2 <= d.vocab_size <= MAX_VOCAB_SIZE,
+        d.vocab_size,
+        f"2 to {MAX_VOCAB_SIZE}",
+    )
+    require("data.order", 1 <= d.order <= MAX_MARKOV_ORDER, d.order, f"1 to {MAX_MARKOV_ORDER}")
+    require("data.concentration", d.concentration > 0, d.concentration, "> 0")
+    require("data.seed", 0 <= d.seed <= MAX_SEED, d.seed, f"0 to {MAX_SEED}")
+    require("data.eval_samples", d.eval_samples >= 0, d.eval_samples, ">= 0")
+    cap("data.eval_samples", d.eval_samples, MAX_EVAL_SAMPLES)
+    states = d.vocab_size**d.order
+    if d.kind == "markov" and states > MAX_MARKOV_STATES:
+        raise ConfigError(
+            f"data.vocab_size={d.vocab_size} with data.order={d.order} gives {states} Markov "
+            f"states (vocab_size**order), more than the {MAX_MARKOV_STATES} (2**20) that fit; "
+            "lower data.vocab_size or data.order"
+        )
+
+
+def validate_data_files(d: DataConfig) -> None:
+    """Where the user's data comes from; whether the files exist is pre-flight's to say."""
+    require("data.val_fraction", 0 <= d.val_fraction < 0.5, d.val_fraction, "[0, 0.5)")
+    check_choice("data.token_dtype", d.token_dtype, TOKEN_DTYPES)
+    check_choice("data.format", d.format, RAY_FORMATS)
+    from_files = d.kind in FILE_SOURCES and not (d.kind == "ray" and d.target)
+    if from_files and not d.train:
+        raise ConfigError(
+            f"data.train is empty; data.kind={d.kind} reads your files: set data.train to "
+            "paths or globs, e.g. data.train=[corpus/*.bin]"
+        )
+    if d.kind == "custom" or (d.kind == "ray" and d.target):
+        what = "a map-style torch Dataset" if d.kind == "custom" else "a ray.data.Dataset"
+        check_import_path("data.target", d.target, what=f"a function or class returning {what}")
+    if d.val and d.val_fraction:
+        raise ConfigError(
+            f"data.val and data.val_fraction={d.val_fraction} are both set; hold out either "
+            "files (data.val) or a share of data.train (data.val_fraction), not both"
+        )
+    for key, value in (("data.inputs_key", d.inputs_key), ("data.labels_key", d.labels_key)):
+        if not value or "/" in value:
+            raise ConfigError(f"{key}={show(value)} is not a key; allowed: a name without '/'")
+    if d.inputs_key == d.labels_key:
+        raise ConfigError(
+            f"data.inputs_key and data.labels_key are both {show(d.inputs_key)}; they must differ"
+        )
+    indexed = ("tokens", "text", "arrays", "custom")
+    if d.kind in indexed and d.eval_samples and not (d.val or d.val_fraction):
+        raise ConfigError(
+            f"data.eval_samples={d.eval_samples} needs held-out data: set data.val (files) or "
+            "data.val_fraction (a share of data.train), or data.eval_samples=0"
+        )
+    if d.kind == "text" and d.tokenizer != "bytes" and not d.tokenizer.endswith(".json"):
+        raise ConfigError(
+            f"data.tokenizer={show(d.tokenizer)} is not a tokenizer; allowed: bytes, or the "
+            "path of a Hugging Face tokenizers JSON file (tokenizer.json)"
+        )
+    if d.kind == "text" and d.tokenizer == "bytes" and d.vocab_size != 256:
+        raise ConfigError(
+            f"data.vocab_size={d.vocab_size} does not match data.tokenizer=bytes; set "
+            "data.vocab_size=256 (one token per byte)"
+        )
+
+
+def validate_streaming(cfg: JobConfig) -> None:
+    """`data.kind: ray` streams rows through Ray Train's dataset shards, G / N per worker."""
+    d, workers = cfg.data, cfg.scaling.num_workers
+    if d.kind != "ray":
+        return
+    if kind_of(cfg).runs_on == "actors":
+        raise ConfigError(
+            "data.kind=ray streams through Ray Train's dataset shards, which the parameter "
+            "server does not use; allowed with strategy.kind "
+            f"{kinds_that(lambda k: k.runs_on == 'ray_train')}"
+        )
+    if d.val_fraction:
+        raise ConfigError(
+            f"data.val_fraction={d.val_fraction} is not supported with data.kind=ray (a stream "
+            "has no known size); name held-out files in data.val"
+        )
+    if cfg.train.global_batch_size % workers:
+        raise ConfigError(
+            f"train.global_batch_size={cfg.train.global_batch_size} must be divisible by "
+            f"scaling.num_workers={workers} with data.kind=ray (each worker reads G / N rows)"
+        )
