@@ -10,7 +10,7 @@ reduce-scatters its gradients; HSDP adds an all-reduce of the shards over the re
 One step: micro-batches accumulate with gradient sync off until the last; the global
 gradient norm is taken over the DTensor gradients wherever their shards lie; the
 optimizer steps on each rank's shards. Checkpoints hold the model and optimizer as
-sharded DCP state (`sharded_checkpoint.py`), which any mesh (and, through full weights,
+sharded DCP state (`checkpoint/sharded.py`), which any mesh (and, through full weights,
 any other strategy) loads.
 """
 
@@ -39,8 +39,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from trainstack import sharded_checkpoint as sharded
-from trainstack.checkpoint import SHARDED_FOLDER, Checkpoint
+from trainstack.checkpoint import SHARDED_FOLDER, Checkpoint, sharded
 from trainstack.config import JobConfig
 from trainstack.data.sharding import Batch
 from trainstack.models import repeated_blocks

@@ -23,8 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainstack import sharded_checkpoint as sharded
-from trainstack.checkpoint import SHARDED_FOLDER, Checkpoint, rank_file
+from trainstack.checkpoint import SHARDED_FOLDER, Checkpoint, rank_file, sharded
 from trainstack.config import OptimConfig
 from trainstack.optim import build_optimizer
 from trainstack.strategies.base import fast_forward_schedule

@@ -9,7 +9,7 @@
       optimizer.pt ...     strategy state, as the strategy lays it out
       state/.metadata      or, from a sharded layout (fsdp, tensor parallel), model and
       state/__0_0.distcp   optimizer state written by torch.distributed.checkpoint, each
-                           rank its own shards (sharded_checkpoint.py); any layout reads it
+                           rank its own shards (sharded.py); any layout reads it
       rng/rank_00000.pt    RNG states (python, numpy, torch) of each rank
 
 Every file is written to a temporary name and renamed; the manifest goes last and is
@@ -28,7 +28,6 @@ import hashlib
 import io
 import json
 import os
-import random
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -36,14 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 import trainstack
-from trainstack import sharded_checkpoint as sharded
-from trainstack.config import ConfigError, JobConfig, config_from_dict, config_to_dict
-from trainstack.errors import first_line, show
+from trainstack.checkpoint import sharded
+from trainstack.config import JobConfig
+from trainstack.errors import first_line
 from trainstack.files import file_sha256, write_text_atomically
 from trainstack.storage import (
     Location,
@@ -89,7 +87,7 @@ class Checkpoint:
         """A verified file of this checkpoint, loaded with weights_only=True."""
         file = self.path / name
         if isinstance(file, StorePath):
-            with _store_errors(file):
+            with store_errors(file):
                 data = io.BytesIO(file.read_bytes())
             return torch.load(data, map_location="cpu", weights_only=True)
         return torch.load(file, map_location="cpu", weights_only=True)
@@ -236,123 +234,6 @@ def build_manifest(
     }
 
 
-def check_same_data(start: Checkpoint, fingerprint: str, *, allow: bool) -> None:
-    """Raise CheckpointError when `start` was trained on other data than `fingerprint`
-    describes, unless `allow` (`data.allow_changed`)."""
-    saved = start.manifest.get("data", {}).get("fingerprint")
-    if saved is None or saved == fingerprint or allow:
-        return
-    raise CheckpointError(
-        f"{start.path} was trained on other data (fingerprint {saved[:12]} in the checkpoint, "
-        f"{fingerprint[:12]} now); resume anyway with --set data.allow_changed=true, or choose "
-        "another name"
-    )
-
-
-SAME_RUN_EXEMPT = (
-    "name",
-    "checkpoint.",
-    "log.",
-    "tracking.",
-    "failure.",
-    "faults.",
-    "data.allow_changed",
-    "data.train",
-    "data.val",
-    "data.prepared_dir",
-    "scaling.start_timeout_s",
-    "scaling.resize_check_s",
-    "scaling.resources_per_worker",
-    "strategy.ps_cpus",
-)
-"""Spec keys (with a trailing dot: whole sections) a rerun may change and still be the
-same run: how it saves, logs, is tracked, waits for workers and survives failures, and
-where its data lies (the data's fingerprint, `check_same_data`, says whether it is the
-same data)."""
-
-LAYOUT_KEYS = (
-    "scaling.num_workers",
-    "scaling.min_workers",
-    "scaling.use_gpu",
-    "scaling.cpus_per_worker",
-    "train.micro_batch_size",
-)
-"""Keys a run that trains on may change: the same steps on another world size (README,
-"Another world size"). A finished run would not train at all, so there they count."""
-
-
-def check_same_run(start: Checkpoint, cfg: JobConfig) -> None:
-    """Raise CheckpointError when `start`, a checkpoint of `cfg`'s own run, was written
-    under a spec that differs from `cfg` in a key that changes what the run computes or
-    reports: rerunning would report, or continue, another run than `cfg` describes.
-
-    Keys that do not count: `SAME_RUN_EXEMPT`; every `data.` key with `data.allow_changed`;
-    `LAYOUT_KEYS` while the run has steps left; `train.steps` raised (training continues).
-    """
-    saved = _flat_spec(start.manifest["spec"])
-    now = _flat_spec(config_to_dict(cfg))
-    trains_on = start.step < cfg.train.steps
-
-    def counts(key: str) -> bool:
-        old, new = saved.get(key, _ABSENT), now.get(key, _ABSENT)
-        if old == new or _is_key_in(key, SAME_RUN_EXEMPT):
-            return False
-        if key.startswith("data.") and cfg.data.allow_changed:
-            return False
-        if trains_on and _is_key_in(key, LAYOUT_KEYS):
-            return False
-        raised = key == "train.steps" and isinstance(old, int) and new > old
-        return not raised
-
-    differences = [
-        f"{key} {_show(saved.get(key, _ABSENT))} → {_show(now.get(key, _ABSENT))}"
-        for key in sorted(saved.keys() | now.keys())
-        if counts(key)
-    ]
-    if not differences:
-        return
-    run_dir = start.path.parent
-    shown = "; ".join(differences[:6])
-    more = f"; and {len(differences) - 6} more" if len(differences) > 6 else ""
-    finished = " (finished)" if start.step >= saved.get("train.steps", start.step) else ""
-    raise CheckpointError(
-        f"run {cfg.name!r} already has a checkpoint at step {start.step}{finished} in "
-        f"{run_dir}, from another spec: {shown}{more}; to train this spec start a new run "
-        f"with --set name=NEW (add --resume-from {run_dir} to start it from this run's "
-        "checkpoint on purpose), or rerun with the old values"
-    )
-
-
-_ABSENT = object()
-
-
-def _show(value: object) -> str:
-    return "absent" if value is _ABSENT else show(value)
-
-
-def _flat_spec(spec: dict[str, Any]) -> dict[str, Any]:
-    """`spec` as dotted keys to JSON values, with defaults filled in by this trainstack's
-    spec (a spec it cannot read, from another version, is compared as written)."""
-    plain = json.loads(json.dumps(spec))  # as a manifest holds it: lists, string keys
-    with contextlib.suppress(ConfigError):
-        plain = json.loads(json.dumps(config_to_dict(config_from_dict(plain))))
-    flat: dict[str, Any] = {}
-
-    def walk(node: dict[str, Any], prefix: str) -> None:
-        for key, value in node.items():
-            if isinstance(value, dict) and value:
-                walk(value, f"{prefix}{key}.")
-            else:
-                flat[f"{prefix}{key}"] = value
-
-    walk(plain, "")
-    return flat
-
-
-def _is_key_in(key: str, entries: tuple[str, ...]) -> bool:
-    return any(key == e or (e.endswith(".") and key.startswith(e)) for e in entries)
-
-
 def parameter_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
     """The model's state-dict names and shapes: what a checkpoint must match to load."""
     return {name: list(t.shape) for name, t in model.state_dict().items()}
@@ -361,7 +242,7 @@ def parameter_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
 def verify(path: Location) -> Checkpoint:
     """Check the manifest and every file it lists; raise CheckpointError naming the culprit
     (StorageUnreachableError when the store does not answer)."""
-    with _store_errors(path):
+    with store_errors(path):
         return _verify(path)
 
 
@@ -399,7 +280,7 @@ def _verify(path: Location) -> Checkpoint:
 
 
 @contextlib.contextmanager
-def _store_errors(where: Location) -> Iterator[None]:
+def store_errors(where: Location) -> Iterator[None]:
     """A store's OSError (not a missing file) as StorageUnreachableError, one line."""
     try:
         yield
@@ -418,7 +299,7 @@ def _store_errors(where: Location) -> Iterator[None]:
 
 def list_checkpoints(run_dir: Location) -> list[Location]:
     """Checkpoint directories of a run, newest step first."""
-    with _store_errors(run_dir):
+    with store_errors(run_dir):
         found = [p for p in child_dirs(run_dir) if _DIR_PATTERN.match(p.name)]
     return sorted(found, key=lambda p: p.name, reverse=True)
 
@@ -467,132 +348,7 @@ def _verifies(path: Location) -> bool:
     return True
 
 
-def rng_state() -> dict[str, Any]:
-    """This process's RNG states in a form `torch.load(weights_only=True)` accepts."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": {
-            "kind": kind,
-            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "gauss": float(gauss),
-        },
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    version, internal, gauss_next = state["python"]
-    random.setstate((version, tuple(internal), gauss_next))
-    npy = state["numpy"]
-    np.random.set_state(
-        (
-            npy["kind"],
-            npy["keys"].numpy().astype(np.uint32),
-            npy["pos"],
-            npy["has_gauss"],
-            npy["gauss"],
-        )
-    )
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def read(path: Location) -> Checkpoint:
     """A checkpoint another process already verified: its manifest, without re-hashing."""
-    with _store_errors(path):
+    with store_errors(path):
         return Checkpoint(path=path, manifest=json.loads((path / MANIFEST).read_text()))
-
-
-def warn(message: str) -> None:
-    print(f"trainstack: warning: {message}", flush=True)
-
-
-def find_start(
-    run_dir: Location,
-    *,
-    resume_from: Location | None,
-    on_corrupt: str,
-    warn: Callable[[str], None] = warn,
-) -> Checkpoint | None:
-    """Where a run starts: its own newest valid checkpoint, else `resume_from`, else None.
-
-    `resume_from` may be a checkpoint directory or a run directory (its newest valid
-    checkpoint is used). Raises CheckpointError when checkpoints exist but none verifies
-    and `on_corrupt` is `fail`, or when `resume_from` does not verify, and
-    StorageUnreachableError when the store does not answer.
-    """
-    found, skipped = latest_valid(run_dir, warn=warn)
-    if found is not None:
-        return found
-    if skipped and on_corrupt == "fail":
-        raise CheckpointError(
-            f"{run_dir}: none of its {skipped} checkpoint(s) verifies; set "
-            "checkpoint.on_corrupt=restart to start fresh"
-        )
-    if skipped:
-        warn(f"{run_dir}: no checkpoint verifies; starting fresh (checkpoint.on_corrupt=restart)")
-    if resume_from is None:
-        return None
-    return resolve(resume_from, warn=warn)
-
-
-def checked_start(
-    cfg: JobConfig,
-    *,
-    resume_from: Location | None,
-    shapes: dict[str, list[int]],
-    data_fingerprint: str,
-) -> Checkpoint | None:
-    """Where `cfg`'s run starts (`find_start`), checked before anything starts: the same
-    model (`shapes`), the same data (`data_fingerprint`) and, for the run's own
-    checkpoint, the same run (`check_same_run`). Raises CheckpointError."""
-    run_dir = checkpoints_for(cfg)
-    start = find_start(run_dir, resume_from=resume_from, on_corrupt=cfg.checkpoint.on_corrupt)
-    if start is None:
-        return None
-    check_same_model(start, shapes)
-    check_same_data(start, data_fingerprint, allow=cfg.data.allow_changed)
-    if start.path.parent == run_dir:  # not --resume-from: that starts another run on purpose
-        check_same_run(start, cfg)
-    return start
-
-
-def resolve(path: Location, *, warn: Callable[[str], None] = warn) -> Checkpoint:
-    """`path` as a checkpoint: the directory itself if it has a manifest, else the newest
-    valid checkpoint of the run directory `path`. Raises CheckpointError."""
-    with _store_errors(path):
-        has_manifest = (path / MANIFEST).exists()
-    if has_manifest:
-        return verify(path)
-    chosen, _ = latest_valid(path, warn=warn)
-    if chosen is None:
-        raise CheckpointError(f"{path}: no valid checkpoint there")
-    return chosen
-
-
-def check_same_model(start: Checkpoint, shapes: dict[str, list[int]]) -> None:
-    """Raise CheckpointError when `start` holds weights of another model than the one
-    whose state-dict names and shapes are `shapes` (`parameter_shapes(model)`)."""
-    saved: dict[str, list[int]] | None = start.manifest.get("model_shapes")
-    if saved is None:  # written before checkpoints recorded shapes: loading will tell
-        return
-    differences = [
-        f"{name} {saved.get(name, 'absent')} in the checkpoint, {shapes.get(name, 'absent')} now"
-        for name in sorted(saved.keys() | shapes.keys())
-        if saved.get(name) != shapes.get(name)
-    ]
-    if differences:
-        shown = "; ".join(differences[:5])
-        more = f"; and {len(differences) - 5} more" if len(differences) > 5 else ""
-        raise CheckpointError(
-            f"{start.path} holds another model ({len(differences)} tensors differ: {shown}"
-            f"{more}); choose another name, another checkpoint.storage_path, or remove the "
-            "old run"
-        )
