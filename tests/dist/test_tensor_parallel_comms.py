@@ -68,6 +68,10 @@ def worker(rank: int, init_method: str, out: str, kind: str) -> None:
         logits.float().pow(2).mean().backward()
     if rank == 0:
         Path(out).write_text(json.dumps({"forward": forward.kinds, "backward": backward.kinds}))
+    # Both ranks past every collective before either tears its process group down: a rank
+    # that destroys it while the other's last reduce-scatter is in flight aborts the other
+    # ("terminate called without an active exception", seen once in a full run).
+    dist.barrier()
     dist.destroy_process_group()
 
 
