@@ -143,9 +143,11 @@ def test_async_learns_and_rejects_what_is_staler_than_the_bound(
     assert ps["rejected"] > 0
     assert ps["updates"] * ps["num_shards"] + ps["rejected"] == ps["pushes"]
     # inverse, alpha 1: a push applied at staleness 1 (the bound) takes half the lr, one
-    # at 0 all of it; the straggler's pushes are stale (measured: a mean of 0.78 to 0.92).
+    # at 0 all of it, and staler ones are rejected: every factor is 1 or 1/2. How many
+    # applied pushes were stale is the run's timing (measured: a mean of 0.78 to 0.92, and
+    # once 1.0, every stale push rejected); the rule itself is tested exactly above.
     print(f"async: lr factor mean {ps['lr_factor_mean']:.3f}, loss {summary['final_loss']:.3f}")
-    assert 0.5 <= ps["lr_factor_mean"] < 1.0
+    assert 0.5 <= ps["lr_factor_mean"] <= 1.0
     # Measured: 1.30 to 1.34 (async: it varies run to run), against the floor's 1.14, a
     # context-blind model's 2.42 and the untrained model's 2.69 (ln 16 = 2.77).
     assert summary["final_loss"] < summary["entropy_floor"] + 0.6

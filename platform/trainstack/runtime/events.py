@@ -76,44 +76,59 @@ class RunFollower:
     step, its first step, or the step it resumed from."""
 
     def handle(self, record: dict[str, Any]) -> None:
+        """One record from the queue: a log record (it has a "step" and no "event"), or
+        an event handled by the `event_<name>` method of its name (others, such as
+        `start_attempt`, only reach `on_record`)."""
         if self.on_record is not None:
             self.on_record(record)
         event = record.get("event")
-        if event is None:
-            self.last_step = record["step"]
-            self.tracker.log_metrics({**record, "restarts": self.restarts}, step=record["step"])
-            if self.display is not None:
-                self.display.update({**record, "restarts": self.restarts})
-        elif event == "start":
-            self.starts.append(record)
-            self.last_step = record["resumed_from_step"]
-            self._note_resize(record)
-            if self.restarts and self.telemetry is not None:
-                self.telemetry.record_restart("worker_group")
-            if self.display is not None:
-                if self.restarts:
-                    self.display.note(
-                        f"worker group restarted ({self.restarts}), resuming from step "
-                        f"{record['resumed_from_step']}"
-                    )
-                elif record["resumed_from_step"]:
-                    self.display.note(f"resuming from step {record['resumed_from_step']}")
-                for note in record.get("notes", []):
-                    self.display.note(note)
-        elif event == "first_step":
-            self.last_step = record["step"]
-        elif event == "fault":
-            self.faults.append({**record, "attempt": self.attempt})
-        elif event == "failure":
-            self.failures.append({**record, "attempt": self.attempt, "after_step": self.last_step})
-            if self.display is not None:
-                self.display.note(f"worker {record['rank']} failed: {record['error']}")
-        elif event == "compression":  # adaptive compression changed its ratio
-            self.tracker.log_metrics(
-                {"compression_topk_ratio": record["ratio"]}, step=record["step"]
+        handler = self.log_record if event is None else getattr(self, f"event_{event}", None)
+        if handler is not None:
+            handler(record)
+
+    def log_record(self, record: dict[str, Any]) -> None:
+        self.last_step = record["step"]
+        self.tracker.log_metrics({**record, "restarts": self.restarts}, step=record["step"])
+        if self.display is not None:
+            self.display.update({**record, "restarts": self.restarts})
+
+    def event_start(self, record: dict[str, Any]) -> None:
+        """A worker group started (the first, or a restart): the step it resumed from."""
+        self.starts.append(record)
+        self.last_step = record["resumed_from_step"]
+        self._note_resize(record)
+        if self.restarts and self.telemetry is not None:
+            self.telemetry.record_restart("worker_group")
+        if self.display is None:
+            return
+        if self.restarts:
+            self.display.note(
+                f"worker group restarted ({self.restarts}), resuming from step "
+                f"{record['resumed_from_step']}"
             )
-            if self.display is not None:
-                self.display.note(f"step {record['step']}: compression {record['reason']}")
+        elif record["resumed_from_step"]:
+            self.display.note(f"resuming from step {record['resumed_from_step']}")
+        for note in record.get("notes", []):
+            self.display.note(note)
+
+    def event_first_step(self, record: dict[str, Any]) -> None:
+        self.last_step = record["step"]
+
+    def event_fault(self, record: dict[str, Any]) -> None:
+        """An injected kill: the step it ended is known exactly."""
+        self.faults.append({**record, "attempt": self.attempt})
+
+    def event_failure(self, record: dict[str, Any]) -> None:
+        """Workers the controller saw fail (after the last step the driver heard of)."""
+        self.failures.append({**record, "attempt": self.attempt, "after_step": self.last_step})
+        if self.display is not None:
+            self.display.note(f"worker {record['rank']} failed: {record['error']}")
+
+    def event_compression(self, record: dict[str, Any]) -> None:
+        """Adaptive compression changed its ratio."""
+        self.tracker.log_metrics({"compression_topk_ratio": record["ratio"]}, step=record["step"])
+        if self.display is not None:
+            self.display.note(f"step {record['step']}: compression {record['reason']}")
 
     def _note_resize(self, start: dict[str, Any]) -> None:
         """Record a group that started at another size than the one before it."""
