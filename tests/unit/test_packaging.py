@@ -23,3 +23,13 @@ def test_import_platform_is_the_standard_library_module() -> None:
 
 def test_trainstack_is_found_under_platform() -> None:
     assert Path(trainstack.__file__).resolve().parent == ROOT / "platform" / "trainstack"
+
+
+def test_the_command_line_starts_without_torch_or_ray() -> None:
+    """`trainstack --help`, a bad spec's one-line error and `trainstack plan` answer in a
+    fraction of a second: the CLI imports torch and Ray only in the commands that train."""
+    import subprocess
+
+    probe = "import sys, trainstack.cli; print(sorted({'torch', 'ray'} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout

@@ -23,7 +23,6 @@ import json
 import lzma
 import math
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -110,13 +109,3 @@ def held_out_eval_bytes(cfg: JobConfig) -> tuple[bytes, int]:
     assert np.array_equal(all_ids[1:], targets), "eval targets are held-out tokens 1..nT"
     text = b"".join(chunks)
     return text[int(all_ends[0]) : int(all_ends[-1])], len(targets)
-
-
-def bits_per_byte_line(summary: dict[str, Any]) -> str:
-    """`2.104 (held-out)  gzip -9 2.362  xz -9 2.254`: a text job's held-out bits per byte
-    and the compressors' on the same bytes, where the summary has them."""
-    text = f"{summary['eval_bits_per_byte']:.3f} (held-out)"
-    for name, key in (("gzip -9", "gzip_bits_per_byte"), ("xz -9", "xz_bits_per_byte")):
-        if summary.get(key) is not None:
-            text += f"  {name} {summary[key]:.3f}"
-    return text

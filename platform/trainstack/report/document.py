@@ -10,7 +10,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from trainstack.config import ConfigError
-from trainstack.data.bits_per_byte import bits_per_byte_line
 from trainstack.report.plots import (
     STYLE,
     Plot,
@@ -21,6 +20,7 @@ from trainstack.report.plots import (
     draw_throughput,
 )
 from trainstack.report.runs import MIB, TrackedRun, load_run, mfu_missing
+from trainstack.runtime.progress import bits_per_byte_line
 
 PLOT_FILES = ("loss.png", "throughput.png", "memory.png", "comm.png", "staleness.png")
 
