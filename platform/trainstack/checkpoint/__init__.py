@@ -1,27 +1,7 @@
-"""The on-disk checkpoint format: one directory per checkpoint, verified before use.
-
-    checkpoint_00000120/
-      manifest.json        step, samples seen, spec and its hash, strategy, world layout,
-                           library versions, metrics, and sha256 + size of every file
-      model.pt             portable full model weights (any strategy or world size loads them)
-      model/stage_00001.pt or, from a pipeline, one file per stage with that stage's weights
-                           under the full model's names (merged, they are model.pt)
-      optimizer.pt ...     strategy state, as the strategy lays it out
-      state/.metadata      or, from a sharded layout (fsdp, tensor parallel), model and
-      state/__0_0.distcp   optimizer state written by torch.distributed.checkpoint, each
-                           rank its own shards (sharded.py); any layout reads it
-      rng/rank_00000.pt    RNG states (python, numpy, torch) of each rank
-
-Every file is written to a temporary name and renamed; the manifest goes last and is
-the proof that a checkpoint is complete. Loading verifies every file's size and hash
-first and uses `torch.load(weights_only=True)`.
-
-Checkpoints live in a local folder (a `Path`) or in an object store (a
-`storage.StorePath`, `checkpoint.storage_path: s3://bucket/prefix`); every function
-here takes either, and verification reads sizes and hashes back from the store itself.
-
-`format.py` writes, verifies, lists and prunes checkpoints; `resume.py` picks the one a
-run starts from; `rng.py` saves and restores RNG states; `sharded.py` holds DCP state.
+"""Checkpoints: `format.py` writes, verifies, lists and prunes them (its docstring shows
+the on-disk layout); `resume.py` picks the one a run starts from; `rng.py` saves and
+restores RNG states; `sharded.py` holds DCP state. Every name callers use as
+`ckpt.<name>` is re-exported here.
 """
 
 from trainstack.checkpoint.format import (
