@@ -10,6 +10,7 @@ layer's forward is 2 all-reduces (after the attention's and the MLP's row-parall
 output projections), plus one for the token embedding, and nothing else."""
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -68,11 +69,13 @@ def worker(rank: int, init_method: str, out: str, kind: str) -> None:
         logits.float().pow(2).mean().backward()
     if rank == 0:
         Path(out).write_text(json.dumps({"forward": forward.kinds, "backward": backward.kinds}))
-    # Both ranks past every collective before either tears its process group down: a rank
-    # that destroys it while the other's last reduce-scatter is in flight aborts the other
-    # ("terminate called without an active exception", seen once in a full run).
+    # Both ranks past every collective before either tears its process group down, and
+    # out without the interpreter's teardown: a C++ thread torch leaves joinable at exit
+    # aborts the process ("terminate called without an active exception", seen twice in
+    # full runs on a busy machine, once after the barrier alone). The counts are written.
     dist.barrier()
     dist.destroy_process_group()
+    os._exit(0)
 
 
 def test_sequence_parallel_blocks_issue_two_all_gathers_and_two_reduce_scatters(
