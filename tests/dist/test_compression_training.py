@@ -14,8 +14,8 @@ from trainstack.runtime.gloo_processes import run_processes
 # The tolerance each method is held to: final held-out loss relative to uncompressed
 # DDP after the same 300 steps, with the defaults (error feedback, AdamW's moments on
 # the ranks). Measured: casts 0.00%, qsgd 4-bit 0.07%, sign 0.12%, powersgd r4 0.20%,
-# top-k 1% 0.43% (2.32% compressing raw gradients), random-k 10% 2.86% (README,
-# "Gradient compression", states the same).
+# top-k 1% 0.43% (2.32% compressing raw gradients), random-k 10% 2.86% (docs/compression.md
+# states the same).
 TOLERANCE = {
     "fp16": 0.005,
     "bf16": 0.005,

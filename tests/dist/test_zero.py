@@ -156,7 +156,7 @@ def paper_model_state_bytes(psi: int, n: int, *, stage: int, precision: str) -> 
     fp32 master copy 4Ψ, Adam's momentum 4Ψ and variance 4Ψ); stage 1 partitions the
     optimizer state (4Ψ + 12Ψ/N), stage 2 the gradients too (2Ψ + 14Ψ/N), stage 3 the
     parameters too (16Ψ/N). Parameters and gradients take e bytes each: 2 in bf16, 4 in
-    fp32. DeepSpeed keeps the fp32 master partition in fp32 training too (README, ZeRO:
+    fp32. DeepSpeed keeps the fp32 master partition in fp32 training too (docs/zero.md:
     "the fp32-master term"), so the optimizer term stays 12Ψ/N: fp32 stage 1 is
     8Ψ + 12Ψ/N, stage 2 4Ψ + 16Ψ/N, stage 3 20Ψ/N. The paper's stage 1 holds full-size
     gradients; here they are, since each step accumulates two micro-batches.

@@ -5,7 +5,7 @@ JSON) gives its bits per byte beside gzip -9's and xz -9's, and the text was pre
 once on first use.
 
 That the full run beats gzip -9 (after about 3,250 steps) is measured, not tested: the
-README's "Bits per byte against gzip and xz" gives the figures, and
+docs/data.md's "Bits per byte against gzip and xz" gives the figures, and
 `make demo-stdlib` reproduces them."""
 
 import json

@@ -65,7 +65,7 @@ def spec(**sections: dict[str, Any]) -> JobConfig:
         ({}, 16, 0),  # DDP, AdamW: weights, grads, two moments
         ({"optim": {"kind": "sgd", "momentum": 0.9}}, 12, 0),
         ({"optim": {"kind": "sgd", "momentum": 0.0}}, 8, 0),
-        # ZeRO on N = 4 workers, fp32 (README's table): 8 + 12/N, 4 + 16/N, 20/N
+        # ZeRO on N = 4 workers, fp32 (docs/zero.md's table): 8 + 12/N, 4 + 16/N, 20/N
         ({"strategy": {"kind": "zero", "stage": 1}}, 8 + 12 / 4, 0),
         ({"strategy": {"kind": "zero", "stage": 2}}, 4 + 16 / 4, 0),
         ({"strategy": {"kind": "zero", "stage": 3}}, 20 / 4, 0),

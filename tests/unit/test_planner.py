@@ -117,7 +117,7 @@ def test_state_bytes_equal_the_pre_flight_estimate(
 
 
 def test_zero_state_equals_the_readme_formula_column() -> None:
-    """README, DeepSpeed ZeRO: GPT 4×128 (Ψ = 808,192) on 2 workers in fp32."""
+    """docs/zero.md: GPT 4×128 (Ψ = 808,192) on 2 workers in fp32."""
     psi = 808_192
     formula = {0: 12_931_072, 1: 11_314_688, 2: 9_698_304, 3: 8_081_920}
     for stage, expected in formula.items():
@@ -442,7 +442,7 @@ BENCH = Workload(  # benchmarks/mesh_layouts.py: GPT 4 × 128, global batch 16, 
     ],
 )
 def test_comm_bytes_equal_the_readme_mesh_layouts_table(layout: Layout, readme: int) -> None:
-    """The README's "bytes sent / step" (counted for fsdp and HSDP, modelled for DDP and
+    """docs/fsdp-tp.md's "bytes sent / step" (counted for fsdp and HSDP, modelled for DDP and
     ZeRO), each layout at the benchmark's micro-batch (one per step)."""
     hardware = Hardware(
         devices=layout.devices, memory_bytes=10**12, bandwidth=1e11, peak_flops=1e15

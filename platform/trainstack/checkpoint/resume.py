@@ -67,8 +67,9 @@ LAYOUT_KEYS = (
     "scaling.cpus_per_worker",
     "train.micro_batch_size",
 )
-"""Keys a run that trains on may change: the same steps on another world size (README,
-"Another world size"). A finished run would not train at all, so there they count."""
+"""Keys a run that trains on may change: the same steps on another world size
+(docs/checkpoints-and-failures.md, "Another world size"). A finished run would not train
+at all, so there they count."""
 
 
 def check_same_run(start: Checkpoint, cfg: JobConfig) -> None:
