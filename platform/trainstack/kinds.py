@@ -14,7 +14,7 @@ uses it.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -35,9 +35,18 @@ class StrategyKind:
     """Trains in `train.precision: fp64` (on its torch engine)."""
     shards_state: bool = False
     """Splits parameters, gradients or optimizer state across ranks."""
-    mesh: bool = False
-    """Lays ranks on a device mesh with `strategy.tensor_parallel` (rank = replica × t +
-    tp rank): replicas are not the ranks themselves."""
+    ranks: Literal["replicas", "shards", "mesh", "pipeline"] = "replicas"
+    """How its ranks fill the grid `[pp, dp_replicate, dp_shard, tp]` (`trainstack.dims`):
+    each a replica; each a shard of one replica; a mesh of replica groups × shards ×
+    `strategy.tensor_parallel`; or that mesh once per pipeline stage."""
+    offload_param: Literal["no", "stage 3", "yes"] = "no"
+    """Takes `strategy.offload_param` (parameters kept in host memory): never, with
+    `strategy.stage: 3` only (ZeRO), or always (FSDP2's CPU offload)."""
+    elastic: bool = False
+    """Resizes its worker group (`scaling.num_workers: {min, max}`) at the same global batch."""
+    plan_layout: str = ""
+    """`module:callable(cfg) -> Layout`: the planner's layout for the spec's strategy
+    (what pre-flight's memory check and `trainstack plan` compare); empty: none."""
     resumes_other_runs: bool = True
     """Starts from another run's checkpoint (`--resume-from`)."""
     dense_hooks: bool = False
@@ -74,6 +83,8 @@ KINDS: dict[str, StrategyKind] = {
             float64=True,
             dense_hooks=True,
             compresses=True,
+            elastic=True,
+            plan_layout="trainstack.planner.layouts:ddp_layout",
             build="trainstack.strategies.ddp:DDPStrategy",
         ),
         StrategyKind(
@@ -82,6 +93,10 @@ KINDS: dict[str, StrategyKind] = {
             engine="deepspeed",
             float64=False,
             shards_state=True,
+            ranks="shards",
+            offload_param="stage 3",
+            elastic=True,
+            plan_layout="trainstack.planner.layouts:zero_layout",
             build="trainstack.strategies.zero:ZeROStrategy",
         ),
         StrategyKind(
@@ -90,7 +105,9 @@ KINDS: dict[str, StrategyKind] = {
             engine="torch",
             float64=True,
             shards_state=True,
-            mesh=True,
+            ranks="mesh",
+            offload_param="yes",
+            plan_layout="trainstack.planner.layouts:fsdp_layout",
             build="trainstack.strategies.fsdp:FSDPStrategy",
             model_checks=("trainstack.strategies.tensor_parallel:check_model_splits",),
         ),
@@ -99,7 +116,8 @@ KINDS: dict[str, StrategyKind] = {
             runs_on="ray_train",
             engine="strategy.engine",
             float64=True,
-            mesh=True,
+            ranks="pipeline",
+            plan_layout="trainstack.planner.layouts:pipeline_layout",
             build="trainstack.strategies:build_pipeline",
             model_checks=("trainstack.strategies.pipeline_split:check_pipeline_model",),
         ),
@@ -123,10 +141,12 @@ def kind_of(cfg: JobConfig) -> StrategyKind:
     return KINDS[cfg.strategy.kind]
 
 
-def kinds_that(has: Callable[[StrategyKind], bool], *, last: str = ", ") -> str:
-    """The names of the kinds with a property, for a message's `allowed:` (`last` joins
-    the last two: "ddp or ps")."""
-    names = [k.name for k in KINDS.values() if has(k)]
+def kinds_that(
+    has: Callable[[Any], bool], *, table: Mapping[str, Any] | None = None, last: str = ", "
+) -> str:
+    """The names of the kinds with a property, for a message's `allowed:`: strategy kinds,
+    or those of another `table` (`last` joins the last two: "ddp or ps")."""
+    names = [k.name for k in (KINDS if table is None else table).values() if has(k)]
     return last.join([", ".join(names[:-1]), names[-1]]) if len(names) > 1 else "".join(names)
 
 
@@ -146,6 +166,21 @@ class ModelKind:
     (`count_parameters`), blocks known."""
     tensor_parallel: bool = False
     """Has a tensor-parallel plan (`strategy.tensor_parallel` > 1)."""
+    shape_in_spec: bool = False
+    """`model.n_layer`, `n_head` and `n_embd` are its shape (a transformer known before it
+    is built: heads split whole by tensor parallelism, layers cut into pipeline stages,
+    tensor-parallel stages inside a pipeline)."""
+    hf_config: bool = False
+    """Built from a Hugging Face config (`model.hf` or `model.pretrained`): its shape is
+    read from that config, and `trainstack export` also writes a Hugging Face folder."""
+    pipeline_layers: bool = True
+    """Has pipeline layers to cut into stages (`strategy.kind: pipeline`)."""
+    own_keys: tuple[str, ...] = ()
+    """`model.*` keys that only this kind takes (where the model comes from)."""
+    tasks: tuple[str, ...] = ("lm",)
+    """The `task.kind`s it trains for."""
+    spec_check: str = ""
+    """`module:callable(model_section)` raising ConfigError for what this kind cannot take."""
 
     def builder(self) -> Any:
         return load(self.build)
@@ -155,11 +190,31 @@ MODEL_KINDS: dict[str, ModelKind] = {
     k.name: k
     for k in (
         ModelKind(
-            name="gpt", build="trainstack.models.gpt:GPT", builtin=True, tensor_parallel=True
+            name="gpt",
+            build="trainstack.models.gpt:GPT",
+            builtin=True,
+            tensor_parallel=True,
+            shape_in_spec=True,
+            spec_check="trainstack.config.checks.model_data:check_gpt",
         ),
-        ModelKind(name="mlp", build="trainstack.models.mlp:WindowMLP", builtin=True),
-        ModelKind(name="custom", build="trainstack.models.custom:build_custom_model"),
-        ModelKind(name="hf", build="trainstack.models.hf:build_hf_model", tensor_parallel=True),
+        ModelKind(
+            name="mlp", build="trainstack.models.mlp:WindowMLP", builtin=True, pipeline_layers=False
+        ),
+        ModelKind(
+            name="custom",
+            build="trainstack.models.custom:build_custom_model",
+            own_keys=("target", "args"),
+            tasks=("lm", "classify"),
+            spec_check="trainstack.config.checks.model_data:check_custom_model",
+        ),
+        ModelKind(
+            name="hf",
+            build="trainstack.models.hf:build_hf_model",
+            tensor_parallel=True,
+            hf_config=True,
+            own_keys=("hf", "pretrained"),
+            spec_check="trainstack.config.checks.model_data:check_hf",
+        ),
     )
 }
 """Every `model.kind`, by name."""
@@ -174,21 +229,101 @@ class DataKind:
     """The task its samples are for (empty: either, as the user's own dataset says)."""
     files: bool = False
     """Reads the user's files (`data.train` / `data.val`, resolved against the spec)."""
+    generated: bool = False
+    """Synthesises its samples, held-out ones included (no files, no split to ask for)."""
+    factory: str = ""
+    """What `data.target` returns when it names a factory (then no files are read)."""
+    factory_only: bool = False
+    """Always built by `data.target`'s factory."""
+    streams: bool = False
+    """Rows stream through Ray Data, split per worker group by Ray Train (the driver
+    builds the datasets): not indexed, so no elastic resize and no rows shared by
+    tensor-parallel ranks."""
+    prepared: bool = False
+    """Tokenized ahead of training into a cached directory (`trainstack prepare`, or
+    pre-flight), from text whose bytes are known: the held-out loss is also given in bits
+    per byte, beside gzip's and xz's."""
+    spec_check: str = ""
+    """`module:callable(data_section)` raising ConfigError for what this kind cannot take."""
+    data_check: str = ""
+    """`module:callable(cfg)`: pre-flight's look at the data itself (files readable, token
+    ids below the vocabulary, the user's Dataset yielding what the task needs)."""
+
+    def from_factory(self, target: str) -> bool:
+        """Built by the user's `data.target` factory rather than from files."""
+        return self.factory_only or bool(self.factory and target)
+
+    def reads_files(self, target: str) -> bool:
+        """Reads `data.train` / `data.val` (with `data.target` as the spec sets it)."""
+        return self.files and not self.from_factory(target)
 
 
 DATA_KINDS: dict[str, DataKind] = {
     k.name: k
     for k in (
-        DataKind(name="markov", build="trainstack.data.markov:MarkovCorpus", task="lm"),
-        DataKind(name="clusters", build="trainstack.data.clusters:ClustersCorpus", task="classify"),
-        DataKind(name="tokens", build="trainstack.data.tokens:TokenCorpus", task="lm", files=True),
-        DataKind(name="text", build="trainstack.data.text:TextCorpus", task="lm", files=True),
         DataKind(
-            name="arrays", build="trainstack.data.arrays:ArrayCorpus", task="classify", files=True
+            name="markov",
+            build="trainstack.data.markov:MarkovCorpus",
+            task="lm",
+            generated=True,
+            spec_check="trainstack.config.checks.model_data:check_markov",
         ),
-        DataKind(name="ray", build="trainstack.data.ray_source:RaySource", task="lm", files=True),
-        DataKind(name="custom", build="trainstack.data.custom_dataset:DatasetCorpus", task=""),
+        DataKind(
+            name="clusters",
+            build="trainstack.data.clusters:ClustersCorpus",
+            task="classify",
+            generated=True,
+            spec_check="trainstack.config.checks.model_data:check_clusters",
+        ),
+        DataKind(
+            name="tokens",
+            build="trainstack.data.tokens:TokenCorpus",
+            task="lm",
+            files=True,
+            data_check="trainstack.data.checks:check_tokens",
+        ),
+        DataKind(
+            name="text",
+            build="trainstack.data.text:TextCorpus",
+            task="lm",
+            files=True,
+            prepared=True,
+            spec_check="trainstack.config.checks.model_data:check_text",
+            data_check="trainstack.data.checks:check_text",
+        ),
+        DataKind(
+            name="arrays",
+            build="trainstack.data.arrays:ArrayCorpus",
+            task="classify",
+            files=True,
+            data_check="trainstack.data.checks:check_arrays",
+        ),
+        DataKind(
+            name="ray",
+            build="trainstack.data.ray_source:RaySource",
+            task="lm",
+            files=True,
+            streams=True,
+            factory="a ray.data.Dataset",
+            data_check="trainstack.data.ray_source:check_ray_source",
+        ),
+        DataKind(
+            name="custom",
+            build="trainstack.data.custom_dataset:DatasetCorpus",
+            task="",
+            factory="a map-style torch Dataset",
+            factory_only=True,
+            data_check="trainstack.data.checks:check_custom",
+        ),
     )
 }
 """Every `data.kind`, by name (`ray`: pre-flight's view; workers stream through
 `data.ray_stream`)."""
+
+
+def model_kind_of(cfg: JobConfig) -> ModelKind:
+    return MODEL_KINDS[cfg.model.kind]
+
+
+def data_kind_of(cfg: JobConfig) -> DataKind:
+    return DATA_KINDS[cfg.data.kind]

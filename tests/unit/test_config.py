@@ -381,6 +381,13 @@ def test_offload_param_needs_stage_3() -> None:
     )
     cfg = config_from_dict({"strategy": {"kind": "zero", "stage": 3, "offload_param": "cpu"}})
     assert cfg.strategy.offload_param == "cpu"
+    # a kind that keeps whole parameters on its device takes no parameter offload at all
+    for kind in ("ddp", "ps"):
+        message = error_of({"strategy": {"kind": kind, "stage": 3, "offload_param": "cpu"}})
+        assert message == (
+            "strategy.offload_param=cpu is for strategy.kind zero or fsdp; got "
+            f"strategy.kind={kind} (leave it at none)"
+        )
 
 
 def test_offload_optimizer_needs_adamw() -> None:

@@ -5,7 +5,6 @@ import pytest
 
 from trainstack.config import ConfigError, config_from_dict
 from trainstack.runtime.capacity import model_state
-from trainstack.strategies.mesh import MeshLayout
 
 
 def fsdp(workers: int, **strategy: object) -> dict:
@@ -32,10 +31,10 @@ def test_mesh_takes_the_shard_degree_from_what_the_workers_leave(
     workers: int, strategy: dict, layout: tuple[int, int, int], replicas: int
 ) -> None:
     cfg = config_from_dict(fsdp(workers, **strategy))
-    mesh = MeshLayout.of(cfg)
+    mesh = cfg.dims
     assert (mesh.dp_replicate, mesh.dp_shard, mesh.tp) == layout
     assert mesh.world_size == workers
-    assert cfg.data_parallel_size == replicas == mesh.data_parallel
+    assert cfg.data_parallel_size == replicas == mesh.dp
     t = mesh.tp  # tp innermost: a tensor-parallel group's ranks see one replica's samples
     assert [cfg.data_parallel_rank(rank) for rank in range(workers)] == [
         rank // t for rank in range(workers)

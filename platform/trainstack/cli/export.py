@@ -8,6 +8,7 @@ from pathlib import Path
 
 from trainstack.cli.args import error, store_option
 from trainstack.config import ConfigError
+from trainstack.kinds import model_kind_of
 from trainstack.storage import open_location
 
 
@@ -28,7 +29,7 @@ def export_command(args: argparse.Namespace) -> int:
     save_atomically(state, out)
     numel = sum(t.numel() for t in state.values())
     print(f"trainstack: wrote {out} ({len(state)} tensors, {numel:,} values) from {found.path}")
-    if cfg.model.kind != "hf":
+    if not model_kind_of(cfg).hf_config:
         return 0
     from trainstack.models.hf import export_pretrained
 

@@ -7,6 +7,7 @@ import sys
 
 from trainstack.cli.args import error
 from trainstack.config import ConfigError, load_config
+from trainstack.kinds import DATA_KINDS, data_kind_of, kinds_that
 
 
 def prepare_command(args: argparse.Namespace) -> int:
@@ -16,10 +17,11 @@ def prepare_command(args: argparse.Namespace) -> int:
 
     try:
         cfg = resolve_data(load_config(args.config, args.overrides))
-        if cfg.data.kind != "text":
+        if not data_kind_of(cfg).prepared:
+            prepared = kinds_that(lambda k: k.prepared, table=DATA_KINDS, last=" or ")
             raise ConfigError(
                 f"data.kind={cfg.data.kind} has nothing to prepare; `trainstack prepare` "
-                "tokenizes data.kind=text"
+                f"tokenizes data.kind={prepared}"
             )
         ensure_prepared(cfg, out=sys.stdout)
     except ConfigError as err:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from trainstack.errors import ConfigError
-from trainstack.kinds import MODEL_KINDS
+from trainstack.kinds import MODEL_KINDS, data_kind_of, kind_of, kinds_that, model_kind_of
 
 if TYPE_CHECKING:
     from trainstack.config.sections import JobConfig
@@ -31,7 +31,8 @@ def validate_mesh(cfg: JobConfig) -> None:
     ):
         if not 1 <= value <= MAX_DEGREE:
             raise ConfigError(f"{key}={value} is out of range; allowed: 1 to {MAX_DEGREE}")
-    if s.kind == "pipeline":
+    ranks = kind_of(cfg).ranks
+    if ranks == "pipeline":
         _validate_pipeline_mesh(cfg)
         return
     if s.shard_replicas:
@@ -39,7 +40,7 @@ def validate_mesh(cfg: JobConfig) -> None:
             f"strategy.shard_replicas=true is for strategy.kind=pipeline; with "
             f"strategy.kind={s.kind} use strategy.kind=fsdp (or zero) to shard replicas"
         )
-    if s.kind != "fsdp":
+    if ranks != "mesh":
         if s.tensor_parallel != 1 or s.data_parallel_replicate != 1:
             raise ConfigError(
                 f"strategy.tensor_parallel={s.tensor_parallel} and "
@@ -83,16 +84,18 @@ def _validate_pipeline_mesh(cfg: JobConfig) -> None:
             f"strategy.tensor_parallel={s.tensor_parallel} inside a pipeline fails in "
             "torch.compile (its saved tensors include a device mesh); drop one of the three"
         )
-    if s.engine != "torch" or cfg.model.kind != "gpt":
+    if s.engine != "torch" or not model_kind_of(cfg).shape_in_spec:
+        shaped = kinds_that(lambda k: k.shape_in_spec, table=MODEL_KINDS, last=" or ")
         raise ConfigError(
             f"strategy.tensor_parallel={s.tensor_parallel} inside a pipeline needs "
-            f"strategy.engine=torch and model.kind=gpt (got {s.engine}, {cfg.model.kind})"
+            f"strategy.engine=torch and model.kind={shaped} (got {s.engine}, {cfg.model.kind})"
         )
     _validate_tensor_parallel(cfg)
-    if cfg.data.kind == "ray":
+    if data_kind_of(cfg).streams:
         raise ConfigError(
-            f"data.kind=ray with strategy.tensor_parallel={s.tensor_parallel}: tensor-parallel "
-            "ranks must see the same rows; use an indexed source or tensor_parallel=1"
+            f"data.kind={cfg.data.kind} with strategy.tensor_parallel={s.tensor_parallel}: "
+            "tensor-parallel ranks must see the same rows; use an indexed source or "
+            "tensor_parallel=1"
         )
 
 
@@ -118,7 +121,7 @@ def _validate_tensor_parallel(cfg: JobConfig) -> None:
             f"model.kind={m.kind} has none (allowed: {', '.join(TENSOR_PARALLEL_MODELS)}), or "
             "use strategy.tensor_parallel=1 (fsdp alone shards any model)"
         )
-    if m.kind != "gpt":
+    if not MODEL_KINDS[m.kind].shape_in_spec:  # sizes checked on the built model
         return
     sizes = (
         ("model.n_head", m.n_head, "heads are split whole"),
@@ -149,9 +152,9 @@ def _validate_companions(cfg: JobConfig) -> None:
             "strategy.kind=fsdp reduce-scatters gradients instead (allowed: none, or "
             "strategy.kind=ddp)"
         )
-    if cfg.data.kind == "ray" and s.tensor_parallel > 1:
+    if data_kind_of(cfg).streams and s.tensor_parallel > 1:
         raise ConfigError(
-            f"data.kind=ray with strategy.tensor_parallel={s.tensor_parallel}: Ray Data's "
-            "shards are per worker, and tensor-parallel ranks must see the same rows; use an "
-            "indexed source (markov, tokens, text, arrays, ...) or tensor_parallel=1"
+            f"data.kind={cfg.data.kind} with strategy.tensor_parallel={s.tensor_parallel}: Ray "
+            "Data's shards are per worker, and tensor-parallel ranks must see the same rows; use "
+            "an indexed source (markov, tokens, text, arrays, ...) or tensor_parallel=1"
         )

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainstack.kinds import kind_of
+from trainstack.dims import ParallelDims
 
 
 @dataclass(kw_only=True)
@@ -250,7 +250,7 @@ class CompressionConfig:
     kind: str = "none"
     """Gradient compression: `none`, `fp16`, `bf16`, `topk`, `randk`, `qsgd`, `sign`,
     `powersgd`, or `auto` (DDP: top-k whose ratio, or dense, follows the measured
-    network; README, "Adaptive compression")."""
+    network; docs/compression.md, "Adaptive compression")."""
     ratio: float = 0.01
     """topk, randk: fraction of each tensor's coordinates sent, in (0, 1]; auto: the
     sparsest ratio it may choose (of 0.1, 0.01, 0.001)."""
@@ -272,7 +272,7 @@ class CompressionConfig:
     Compression's momentum correction) instead of the raw gradient; the optimizer then
     applies the averaged update with lr and weight decay alone, and each rank clips its
     own gradient to optim.grad_clip first. On the demo job it brings top-k 1% from 11.7%
-    to 2.8% above dense DDP's loss (README, "Gradient compression"); false compresses
+    to 2.8% above dense DDP's loss (docs/compression.md); false compresses
     the raw gradient. Parameter-server pushes always send gradients."""
     auto_link_gbit: float = 0.0
     """kind auto: model the link as this many Gbit/s (latency 10 µs) instead of timing
@@ -412,21 +412,19 @@ class JobConfig:
     log: LogConfig = field(default_factory=LogConfig)
 
     @property
+    def dims(self) -> ParallelDims:
+        """Where the strategy puts each of the `scaling.num_workers` ranks."""
+        return ParallelDims.of(self)
+
+    @property
     def data_parallel_size(self) -> int:
         """Model replicas that each see their own share of a step's samples."""
-        if self.strategy.kind == "pipeline":
-            return self.strategy.data_parallel
-        if self.strategy.kind == "fsdp":
-            return self.scaling.num_workers // self.strategy.tensor_parallel
-        return self.scaling.num_workers
+        return self.dims.dp
 
     def data_parallel_rank(self, rank: int) -> int:
         """The replica (data-parallel rank) that global `rank` belongs to: the ranks of one
-        pipeline and of one tensor-parallel group see the same samples (pipeline: rank =
-        (stage × d + replica) × t + tp rank; fsdp: rank = replica × t + tp rank)."""
-        if kind_of(self).mesh:
-            return (rank // self.strategy.tensor_parallel) % self.data_parallel_size
-        return rank % self.data_parallel_size
+        pipeline and of one tensor-parallel group see the same samples."""
+        return self.dims.coords(rank).dp
 
     @property
     def tokens_per_sample(self) -> int:

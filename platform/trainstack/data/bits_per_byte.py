@@ -29,6 +29,7 @@ import numpy as np
 from trainstack.config import ConfigError, JobConfig
 from trainstack.data.text import load_tokenizer, prepared_path, split_files, text_corpus
 from trainstack.files import write_text_atomically
+from trainstack.kinds import data_kind_of
 
 
 def bits_per_byte(nats_per_token: float, *, tokens: int, num_bytes: int) -> float:
@@ -48,7 +49,7 @@ def compressed_bits_per_byte(data: bytes) -> dict[str, float]:
 def summary_bits_per_byte(cfg: JobConfig, eval_loss: float | None) -> dict[str, float]:
     """The summary's `eval_bits_per_byte` and its references (`reference_bits_per_byte`);
     empty for a job that is not `text` or has no held-out loss."""
-    if cfg.data.kind != "text" or eval_loss is None or not cfg.data.eval_samples:
+    if not data_kind_of(cfg).prepared or eval_loss is None or not cfg.data.eval_samples:
         return {}
     refs = reference_bits_per_byte(cfg)
     model = bits_per_byte(
@@ -61,7 +62,7 @@ def reference_bits_per_byte(cfg: JobConfig) -> dict[str, float]:
     """`gzip_bits_per_byte` and `xz_bits_per_byte` on the job's held-out eval bytes, and
     their counts (`eval_bytes`, `eval_tokens`); read from the prepared directory's cache,
     computed (from the input files) and cached there the first time. Empty without eval."""
-    if cfg.data.kind != "text" or not cfg.data.eval_samples:
+    if not data_kind_of(cfg).prepared or not cfg.data.eval_samples:
         return {}
     seq_len, count = cfg.model.block_size, cfg.data.eval_samples
     cache = prepared_path(cfg.data) / f"reference-b{seq_len}-n{count}.json"

@@ -22,6 +22,7 @@ from trainstack.config import ConfigError, JobConfig
 from trainstack.data.arrays import ArrayCorpus, ArrayPart, load_parts
 from trainstack.data.custom_dataset import DatasetCorpus, DatasetItems, build_dataset, item_pair
 from trainstack.data.tokens import TokenCorpus, TokenFile
+from trainstack.kinds import DATA_KINDS, load
 from trainstack.user_code import describe_exception
 
 FULL_SCAN_BYTES = 64 * 2**20
@@ -35,20 +36,11 @@ SAMPLE_ITEMS = 8
 
 
 def check_data(cfg: JobConfig) -> None:
-    """Check the job's data as its source will read it; raise ConfigError (one line)."""
-    kind = cfg.data.kind
-    if kind == "tokens":
-        check_tokens(cfg)
-    elif kind == "text":
-        check_text(cfg)
-    elif kind == "arrays":
-        check_arrays(cfg)
-    elif kind == "custom":
-        check_custom(cfg)
-    elif kind == "ray":
-        from trainstack.data.ray_source import check_ray_source
-
-        check_ray_source(cfg)
+    """Check the job's data as its source will read it (its kind's `DataKind.data_check`);
+    raise ConfigError (one line)."""
+    path = DATA_KINDS[cfg.data.kind].data_check
+    if path:
+        load(path)(cfg)
 
 
 def check_readable(path: str, *, key: str) -> None:

@@ -15,8 +15,8 @@ import glob
 from pathlib import Path
 
 from trainstack.config import ConfigError, JobConfig
-from trainstack.config.checks.allowed import FILE_SOURCES
 from trainstack.data.text import stdlib_pattern
+from trainstack.kinds import DATA_KINDS
 from trainstack.storage import local_storage
 
 PREPARED = "prepared"
@@ -28,7 +28,7 @@ def resolve_data(cfg: JobConfig) -> JobConfig:
     """`cfg` with `data.train`/`data.val` as absolute file paths and `data.prepared_dir`
     absolute; unchanged for sources that read no files."""
     d = cfg.data
-    if d.kind not in FILE_SOURCES or (d.kind == "ray" and d.target):
+    if not DATA_KINDS[d.kind].reads_files(d.target):
         return cfg
     data = dataclasses.replace(
         d,

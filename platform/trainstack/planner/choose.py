@@ -12,6 +12,7 @@ so the launcher checks the layout only for local runs; `auto` plans with
 from __future__ import annotations
 
 from trainstack.config import ConfigError, JobConfig
+from trainstack.kinds import kind_of, load
 from trainstack.machine import local_memory_bytes
 from trainstack.planner.layouts import Layout, format_value
 from trainstack.planner.plan import Estimate, Hardware, Plan, estimate, make_plan
@@ -115,37 +116,10 @@ def check_layout_fits(cfg: JobConfig) -> None:
 
 
 def layout_of(cfg: JobConfig) -> Layout | None:
-    """The plan's layout for the spec's strategy; None for the parameter server."""
-    s, n = cfg.strategy, cfg.scaling.num_workers
-    if s.kind == "ddp":
-        return Layout(kind="ddp", devices=n)
-    if s.kind == "zero":
-        return Layout(
-            kind="zero",
-            devices=n,
-            stage=s.stage,
-            offload_optimizer=s.offload_optimizer != "none",
-            offload_param=s.offload_param != "none",
-        )
-    if s.kind == "fsdp":
-        return Layout(
-            kind="fsdp",
-            devices=n,
-            offload_param=s.offload_param != "none",
-            reshard_after_forward=s.reshard_after_forward,
-            tensor_parallel=s.tensor_parallel,
-            replicate=s.data_parallel_replicate,
-        )
-    if s.kind == "pipeline":
-        return Layout(
-            kind="pipeline",
-            devices=n,
-            stages=s.stages,
-            tensor_parallel=s.tensor_parallel,
-            shard_replicas=s.shard_replicas and s.data_parallel > 1,
-            replicate=s.data_parallel_replicate,
-        )
-    return None
+    """The plan's layout for the spec's strategy (its kind's `plan_layout`); None for a
+    kind the planner does not model (the parameter server)."""
+    path = kind_of(cfg).plan_layout
+    return load(path)(cfg) if path else None
 
 
 def _estimate_of(

@@ -11,9 +11,12 @@ the heads and the width; pipeline stages also the layers), in a fixed order.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from trainstack.planner.workload import TransformerShape
+
+if TYPE_CHECKING:
+    from trainstack.config import JobConfig
 
 LayoutKind = Literal["ddp", "zero", "fsdp", "pipeline"]
 
@@ -122,6 +125,48 @@ class Layout:
         if self.tensor_parallel > 1:
             keys["strategy.tensor_parallel"] = self.tensor_parallel
         return keys
+
+
+# ---- the spec's own layout, by strategy kind (`StrategyKind.plan_layout`) ---------
+
+
+def ddp_layout(cfg: JobConfig) -> Layout:
+    return Layout(kind="ddp", devices=cfg.scaling.num_workers)
+
+
+def zero_layout(cfg: JobConfig) -> Layout:
+    s = cfg.strategy
+    return Layout(
+        kind="zero",
+        devices=cfg.scaling.num_workers,
+        stage=s.stage,
+        offload_optimizer=s.offload_optimizer != "none",
+        offload_param=s.offload_param != "none",
+    )
+
+
+def fsdp_layout(cfg: JobConfig) -> Layout:
+    s = cfg.strategy
+    return Layout(
+        kind="fsdp",
+        devices=cfg.scaling.num_workers,
+        offload_param=s.offload_param != "none",
+        reshard_after_forward=s.reshard_after_forward,
+        tensor_parallel=s.tensor_parallel,
+        replicate=s.data_parallel_replicate,
+    )
+
+
+def pipeline_layout(cfg: JobConfig) -> Layout:
+    s = cfg.strategy
+    return Layout(
+        kind="pipeline",
+        devices=cfg.scaling.num_workers,
+        stages=s.stages,
+        tensor_parallel=s.tensor_parallel,
+        shard_replicas=s.shard_replicas and s.data_parallel > 1,
+        replicate=s.data_parallel_replicate,
+    )
 
 
 def candidate_layouts(devices: int, shape: TransformerShape | None) -> list[Layout]:

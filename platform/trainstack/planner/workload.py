@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainstack.config import ConfigError, JobConfig, config_from_dict, config_to_dict, set_key
+from trainstack.kinds import MODEL_KINDS
 
 FP32_BYTES = 4
 
@@ -137,8 +138,8 @@ def transformer_shape(cfg: JobConfig) -> TransformerShape | None:
     """The GPT's `n_layer`, `n_embd`, `n_head`, a Hugging Face config's
     `num_hidden_layers`, `hidden_size`, `num_attention_heads`, with `model.block_size`
     tokens; None for other models."""
-    m = cfg.model
-    if m.kind == "gpt":
+    m, kind = cfg.model, MODEL_KINDS[cfg.model.kind]
+    if kind.shape_in_spec:
         return TransformerShape(
             layers=m.n_layer,
             hidden=m.n_embd,
@@ -146,7 +147,7 @@ def transformer_shape(cfg: JobConfig) -> TransformerShape | None:
             seq=m.block_size,
             vocab=cfg.data.vocab_size,
         )
-    if m.kind == "hf":
+    if kind.hf_config:
         from trainstack.models.hf import hf_config
 
         config = hf_config(m, vocab_size=cfg.data.vocab_size)

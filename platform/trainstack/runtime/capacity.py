@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from trainstack.config import ConfigError, JobConfig
-from trainstack.kinds import kind_of
+from trainstack.kinds import kind_of, model_kind_of
 from trainstack.machine import local_cpus, local_gpus, local_memory_bytes
 from trainstack.planner.choose import layout_of
 from trainstack.planner.memory import model_state_bytes, parameter_server_bytes
@@ -151,7 +151,7 @@ def check_model_fits(cfg: JobConfig, state: ModelState, *, memory: int, where: s
     GPU worker, else this machine's for all the workers and shards together."""
     m, workers = cfg.model, cfg.scaling.num_workers
     model = f"model.kind={m.kind}"
-    if m.kind == "gpt" or m.kind == "mlp":
+    if model_kind_of(cfg).builtin:
         model += f" (n_layer={m.n_layer}, n_embd={m.n_embd}, vocab {cfg.data.vocab_size})"
     figure = (
         f"{model}: about {format_bytes(state.per_worker)} of {state.what} per worker "

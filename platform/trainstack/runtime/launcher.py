@@ -30,7 +30,7 @@ from ray.util.queue import Queue
 from trainstack import checkpoint as ckpt
 from trainstack.config import ConfigError, JobConfig, config_from_dict, config_to_dict
 from trainstack.data.ray_source import ray_datasets, ray_ingest_config
-from trainstack.kinds import kind_of
+from trainstack.kinds import data_kind_of, kind_of
 from trainstack.observe.prometheus import RunTelemetry
 from trainstack.observe.tracking import Tracker, start_tracking
 from trainstack.planner.choose import check_layout_fits, resolve_auto
@@ -168,8 +168,8 @@ def run_job(
     waiting = cluster_wait_note(cfg, ray.available_resources()) if target == "cluster" else None
     if waiting is not None and display is not None:
         display.note(waiting)
-    # data.kind: ray: the driver builds the datasets Ray Train splits among the workers
-    datasets = ray_datasets(cfg) if cfg.data.kind == "ray" else None
+    # Ray Data: the driver builds the datasets Ray Train splits among the workers
+    datasets = ray_datasets(cfg) if data_kind_of(cfg).streams else None
     tracker = start_tracking(cfg, run_dir=run_dir, tags=tracking_tags)
     if kind_of(cfg).runs_on == "actors":
         return _run_parameter_server(

@@ -28,6 +28,7 @@ from trainstack.data.ray_source import RaySource
 from trainstack.data.ray_stream import RayStepBatches
 from trainstack.data.sharding import DataCursor, ShardedBatches, eval_batches
 from trainstack.faults import FaultInjector
+from trainstack.kinds import data_kind_of
 from trainstack.models import build_model, compiled_blocks, num_params
 from trainstack.models.flops import flops_per_token as training_flops_per_token
 from trainstack.observe.prometheus import RunTelemetry
@@ -139,7 +140,7 @@ def train(
     cfg, group_note = fit_to_group(cfg, ctx.world_size)
     torch.set_num_threads(cfg.scaling.torch_threads)
     corpus: Source = (  # ray: held-out rows from Ray Train's `val` dataset
-        RaySource.from_shard(cfg.data) if cfg.data.kind == "ray" else build_corpus(cfg.data)
+        RaySource.from_shard(cfg.data) if data_kind_of(cfg).streams else build_corpus(cfg.data)
     )
     task = build_task(cfg)
     seq_len = cfg.model.block_size

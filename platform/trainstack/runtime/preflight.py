@@ -27,7 +27,7 @@ from trainstack.config import ConfigError, JobConfig
 from trainstack.data import Source, build_corpus
 from trainstack.data.paths import resolve_data
 from trainstack.errors import first_line, show
-from trainstack.kinds import kind_of
+from trainstack.kinds import data_kind_of, kind_of
 from trainstack.models import block_classes, build_model, num_params
 from trainstack.storage import OPTION_SCHEMES, StorePath, is_store_uri, open_location
 from trainstack.tasks import Task, TaskOutputError, build_task
@@ -131,7 +131,7 @@ def check_object_store(cfg: JobConfig) -> None:
 
 def check_data(cfg: JobConfig) -> Source:
     """The job's data, checked and (text) prepared; its corpus as workers will build it."""
-    if cfg.data.kind == "text":
+    if data_kind_of(cfg).prepared:
         from trainstack.data.prepare import ensure_prepared
 
         ensure_prepared(cfg)

@@ -42,6 +42,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from trainstack.checkpoint import SHARDED_FOLDER, Checkpoint, sharded
 from trainstack.config import JobConfig
 from trainstack.data.sharding import Batch
+from trainstack.kinds import model_kind_of
 from trainstack.models import repeated_blocks
 from trainstack.optim import build_optimizer, build_scheduler, scaled_lr
 from trainstack.strategies.base import (
@@ -56,7 +57,7 @@ from trainstack.strategies.base import (
 )
 from trainstack.strategies.comm_count import CollectiveBytes
 from trainstack.strategies.dtensor_state import local_part
-from trainstack.strategies.mesh import Meshes, MeshLayout, build_meshes, squared_norm
+from trainstack.strategies.mesh import Meshes, build_meshes, squared_norm
 from trainstack.strategies.named_optimizer_state import (
     named_parameters,
     optimizer_order,
@@ -72,7 +73,7 @@ class FSDPStrategy:
     def __init__(self, cfg: JobConfig, ctx: WorkerContext) -> None:
         self.cfg = cfg
         self.ctx = ctx
-        self.layout = MeshLayout.of(cfg)
+        self.layout = cfg.dims
         self.meshes: Meshes | None = None
         self.model: nn.Module = nn.Identity()
         self.optimizer: torch.optim.Optimizer | None = None
@@ -95,13 +96,13 @@ class FSDPStrategy:
                 )
             self._tp_local_numel = sum(local_part(p).numel() for p in model.parameters())
             apply_compile(self.cfg, model)  # torchtitan's order: TP, (AC,) compile, FSDP
-            if self.layout.data_parallel > 1:
+            if self.layout.dp > 1:
                 self._shard(model, self.meshes)
         else:
             self._tp_local_numel = sum(p.numel() for p in model.parameters())
             apply_compile(self.cfg, model)
         self.model = model
-        lr = scaled_lr(self.cfg.optim, data_parallel_size=self.layout.data_parallel)
+        lr = scaled_lr(self.cfg.optim, data_parallel_size=self.layout.dp)
         self.optimizer = build_optimizer(model, self.cfg.optim, lr=lr)
         self.scheduler = build_scheduler(
             self.optimizer, self.cfg.optim, total_steps=self.cfg.train.steps
@@ -209,7 +210,7 @@ class FSDPStrategy:
         value = local_part(value.detach()).to(self.ctx.device, torch.float64).clone()
         if self.meshes is not None:
             dist.all_reduce(value, group=self.meshes.data_parallel_group)
-        return float(value) / self.layout.data_parallel
+        return float(value) / self.layout.dp
 
     def comm_bytes_per_step(self) -> int:
         """Bytes this rank sends per step: counted from its first step's collectives
@@ -231,8 +232,8 @@ class FSDPStrategy:
         fsdp = (gathers + 1) * (s - 1) * param_bytes // s
         hsdp = 2 * (r - 1) * param_bytes // (s * r)
         tp = 0
-        if t > 1 and cfg.model.kind == "gpt":
-            stream = cfg.train.global_batch_size // layout.data_parallel
+        if t > 1 and model_kind_of(cfg).shape_in_spec:  # sequence parallel activations
+            stream = cfg.train.global_batch_size // layout.dp
             activation = stream * cfg.model.block_size * cfg.model.n_embd * element
             tp = 8 * cfg.model.n_layer * (t - 1) * activation // t
         return fsdp + hsdp + tp

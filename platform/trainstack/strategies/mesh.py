@@ -1,9 +1,7 @@
-"""The device mesh of a sharded layout: `[dp_replicate, dp_shard, tp]`, tp innermost.
-
-Global rank = (replica × s + shard) × t + tp_rank, so the t ranks of a tensor-parallel
-group are neighbours (one machine's GPUs on a real cluster) and see the same samples
-(`JobConfig.data_parallel_rank`). FSDP shards over `dp_shard` and, with r > 1 (HSDP),
-replicates over `dp_replicate`; tensor parallelism splits layers over `tp`.
+"""The device mesh of a sharded layout, built from the job's grid (`trainstack.dims`:
+`[pp, dp_replicate, dp_shard, tp]`, tp innermost, where rank coordinates are computed).
+FSDP shards over `dp_shard` and, with r > 1 (HSDP), replicates over `dp_replicate`;
+tensor parallelism splits layers over `tp`; a pipeline's stages lie along `pp`.
 """
 
 from __future__ import annotations
@@ -15,32 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from trainstack.config import JobConfig
-
-
-@dataclass(frozen=True, kw_only=True)
-class MeshLayout:
-    dp_replicate: int
-    """r: replica groups (HSDP); parameters are replicated across them."""
-    dp_shard: int
-    """s: ranks one replica's parameters, gradients and optimizer state are sharded over."""
-    tp: int
-    """t: tensor-parallel degree."""
-
-    @classmethod
-    def of(cls, cfg: JobConfig) -> MeshLayout:
-        s = cfg.strategy
-        r, t = s.data_parallel_replicate, s.tensor_parallel
-        return cls(dp_replicate=r, dp_shard=cfg.scaling.num_workers // (r * t), tp=t)
-
-    @property
-    def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
-
-    @property
-    def data_parallel(self) -> int:
-        """Model replicas seeing their own samples: r × s."""
-        return self.dp_replicate * self.dp_shard
+from trainstack.dims import ParallelDims
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,15 +27,25 @@ class Meshes:
     """The r × s ranks holding the same tensor-parallel shard (None without a process group)."""
 
 
-def build_meshes(layout: MeshLayout, *, device_type: str) -> Meshes:
-    """The mesh over every rank (a collective: every rank builds the same sub-groups)."""
-    mesh = init_device_mesh(
+def build_mesh(dims: ParallelDims, *, device_type: str) -> DeviceMesh:
+    """The grid as one DeviceMesh over every rank (a collective: every rank builds the
+    same sub-groups), named `pp`, `dp_replicate`, `dp_shard`, `tp`; without `pp` when
+    there is one pipeline rank."""
+    named = [("pp", dims.pp), ("dp_replicate", dims.dp_replicate)]
+    named += [("dp_shard", dims.dp_shard), ("tp", dims.tp)]
+    kept = [(name, size) for name, size in named if name != "pp" or size > 1]
+    return init_device_mesh(
         device_type,
-        (layout.dp_replicate, layout.dp_shard, layout.tp),
-        mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
+        tuple(size for _, size in kept),
+        mesh_dim_names=tuple(name for name, _ in kept),
     )
+
+
+def build_meshes(dims: ParallelDims, *, device_type: str) -> Meshes:
+    """The sub-meshes an fsdp layout uses (a collective: every rank runs it)."""
+    mesh = build_mesh(dims, device_type=device_type)
     dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    fsdp = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
+    fsdp = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
     return Meshes(tp=mesh["tp"], fsdp=fsdp, data_parallel_group=dp.get_group())
 
 

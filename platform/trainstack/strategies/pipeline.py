@@ -52,7 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import schedules
 from torch.distributed.tensor import DTensor
@@ -82,7 +82,7 @@ from trainstack.strategies.dtensor_state import (
     place_like_parameters,
     whole,
 )
-from trainstack.strategies.mesh import squared_norm
+from trainstack.strategies.mesh import build_mesh, squared_norm
 from trainstack.strategies.named_optimizer_state import optimizer_order, restore_optimizer_by_name
 from trainstack.strategies.pipeline_probe import (
     BoundaryMeter,
@@ -95,7 +95,6 @@ from trainstack.strategies.pipeline_probe import (
 )
 from trainstack.strategies.pipeline_split import (
     ModelNames,
-    PipelineGrid,
     StageModule,
     TiedParameter,
     check_pipeline_model,
@@ -142,9 +141,11 @@ class PipelineStrategy:
         self.ctx = ctx
         self.task = build_task(cfg)
         s = cfg.strategy
-        self.grid = PipelineGrid.of(cfg, rank=ctx.rank)
-        self.pp_size, self.dp_size = self.grid.pp_size, self.grid.dp_size
-        self.pp_rank, self.dp_rank = self.grid.pp_rank, self.grid.dp_rank
+        self.dims = cfg.dims
+        self.at = self.dims.coords(ctx.rank)
+        """This rank's pipeline rank, replica and tensor-parallel rank."""
+        self.pp_size, self.dp_size = self.dims.pp, self.dims.dp
+        self.pp_rank, self.dp_rank = self.at.pp, self.at.dp
         self.tp_mesh: DeviceMesh | None = None
         self.dp_mesh: DeviceMesh | None = None
         self.sharded = cfg.strategy.shard_replicas and self.dp_size > 1
@@ -181,27 +182,22 @@ class PipelineStrategy:
         """Every rank creates every group, in the same order (torch.distributed's rule):
         the `[pp, dp, tp]` mesh (its pipelines, replicas and tensor-parallel groups), and
         per tensor-parallel rank one group per set of pipeline ranks some tie spans."""
-        p, d, t = self.pp_size, self.dp_size, self.grid.tp_size
-        r = self.cfg.strategy.data_parallel_replicate
-        mesh = init_device_mesh(
-            self.ctx.device.type,
-            (p, r, d // r, t),
-            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
-        )
+        d, t, r = self.dp_size, self.dims.tp, self.dims.dp_replicate
+        mesh = build_mesh(self.dims, device_type=self.ctx.device.type)
         self.pp_group = mesh.get_group("pp")
         self.tp_mesh = mesh["tp"]
         # FSDP shards over dp_shard and replicates over dp_replicate (HSDP when r > 1);
         # replica averages and maxima run over both, flattened.
         self.dp_mesh = mesh["dp_replicate", "dp_shard"] if r > 1 else mesh["dp_shard"]
         self.dp_group = (self.dp_mesh._flatten("dp") if r > 1 else self.dp_mesh).get_group()
-        at = self.grid.global_rank
+        at = self.dims.rank
         for ranks in dict.fromkeys(self._tie_ranks(tie) for tie in ties):
             if len(ranks) == 1:
                 continue
             for j in range(d):
                 for k in range(t):
-                    group = dist.new_group([at(pp_rank=r, dp_rank=j, tp_rank=k) for r in ranks])
-                    mine = (j, k) == (self.dp_rank, self.grid.tp_rank)
+                    group = dist.new_group([at(pp=p, dp=j, tp=k) for p in ranks])
+                    mine = (j, k) == (self.dp_rank, self.at.tp)
                     if mine and self.pp_rank in ranks:
                         self.tie_groups[ranks] = group
 
@@ -232,7 +228,7 @@ class PipelineStrategy:
         self._build_groups(ties)
         for s in self.stage_ids:
             self.modules[s] = StageModule(model, layers, split.layers[s]).to(self.ctx.device)
-            if self.grid.tp_size > 1:
+            if self.dims.tp > 1:
                 assert self.tp_mesh is not None
                 apply_tensor_parallel_to_layers(list(self.modules[s].layers.values()), self.tp_mesh)
             apply_compile(self.cfg, self.modules[s], classes=blocks)
@@ -391,7 +387,7 @@ class PipelineStrategy:
             sums = evaluate(self.task, self._eval_forward, batches, device=self.ctx.device)
             self._match_replicas_forwards(len(batches))
         restore()
-        if self.grid.tp_rank != 0:  # its tp group holds the same sums: count them once
+        if self.at.tp != 0:  # its tp group holds the same sums: count them once
             sums.zero_()
         dist.all_reduce(sums)
         return EvalSums.of(sums)
@@ -417,15 +413,17 @@ class PipelineStrategy:
         act: Any = x
         for s in self.stage_ids:
             if s > 0 and self.owners[s - 1] != self.pp_rank:
-                src = self.grid.global_rank(pp_rank=self.owners[s - 1])
+                src = self.dims.rank(pp=self.owners[s - 1], dp=self.dp_rank, tp=self.at.tp)
                 act = recv_activation(src=src, device=self.ctx.device)
             act = self.modules[s](act)
             if s < self.num_stages - 1 and self.owners[s + 1] != self.pp_rank:
-                send_activation(act, dst=self.grid.global_rank(pp_rank=self.owners[s + 1]))
+                send_activation(
+                    act, dst=self.dims.rank(pp=self.owners[s + 1], dp=self.dp_rank, tp=self.at.tp)
+                )
         return act if self.holds_last else None
 
     def global_mean(self, value: torch.Tensor) -> float:
-        counted = self.holds_last and self.grid.tp_rank == 0  # one rank per tp group
+        counted = self.holds_last and self.at.tp == 0  # one rank per tp group
         return last_stage_mean(value, holds_last=counted, replicas=self.dp_size)
 
     def comm_bytes_per_step(self) -> int:
@@ -449,7 +447,7 @@ class PipelineStrategy:
 
     def layout_notes(self) -> list[str]:
         s = self.cfg.strategy
-        tp = f" × tensor parallel {self.grid.tp_size}" if self.grid.tp_size > 1 else ""
+        tp = f" × tensor parallel {self.dims.tp}" if self.dims.tp > 1 else ""
         return [
             f"pipeline ({s.engine}, {s.schedule}): {self.pp_size} ranks × {self.dp_size} "
             f"replicas{tp}, {self.num_stages} stages, {s.microbatches} micro-batches per step",
@@ -462,7 +460,7 @@ class PipelineStrategy:
         mine = {
             "pp_rank": self.pp_rank,
             "dp_rank": self.dp_rank,
-            "tp_rank": self.grid.tp_rank,
+            "tp_rank": self.at.tp,
             "busy_s": busy,
             "step_s": self._step_s,
             "activation_peak_bytes": {s.stage_index: s.meter.peak_bytes for s in self.stages},
@@ -507,7 +505,7 @@ class PipelineStrategy:
             return {}
         stages = {s: whole(self.modules[s].state_dict()) for s in self.stage_ids}
         files: dict[str, Any] = {}
-        if self.grid.tp_rank == 0 and self.dp_rank == 0:
+        if self.at.tp == 0 and self.dp_rank == 0:
             files = {stage_file(s): state for s, state in stages.items()}
         files[self._optimizer_file()] = local_optimizer_state(self.optimizer.state_dict())
         if self.ctx.rank == 0:
@@ -518,7 +516,7 @@ class PipelineStrategy:
         """Replicas hold the same optimizer state, shards (`shard_replicas`) their own."""
         if self.sharded:
             return rank_file("optimizer", self.ctx.rank)
-        return rank_file("optimizer", self.pp_rank * self.grid.tp_size + self.grid.tp_rank)
+        return rank_file("optimizer", self.pp_rank * self.dims.tp + self.at.tp)
 
     def load_checkpoint(self, checkpoint: Checkpoint) -> list[str]:
         assert self.optimizer is not None and self.scheduler is not None, "setup() first"
@@ -560,10 +558,10 @@ class PipelineStrategy:
             saved_sharded or self.sharded
         ):
             return "the checkpoint's optimizer state is sharded over other replicas"
-        if saved.strategy.tensor_parallel != self.grid.tp_size:
+        if saved.strategy.tensor_parallel != self.dims.tp:
             return (
                 f"the checkpoint's stages are split {saved.strategy.tensor_parallel}-way "
-                f"tensor parallel, this run's {self.grid.tp_size}-way"
+                f"tensor parallel, this run's {self.dims.tp}-way"
             )
         layout = (saved.strategy.stages, saved.pipeline_virtual_stages)
         mine = (self.pp_size, self.cfg.pipeline_virtual_stages)

@@ -79,7 +79,6 @@ from trainstack.strategies.pipeline_probe import (
     single_stage_orders,
 )
 from trainstack.strategies.pipeline_split import (
-    PipelineGrid,
     StageModule,
     StageSplit,
     TiedParameter,
@@ -219,9 +218,11 @@ class DeepSpeedPipelineStrategy:
         self.cfg = cfg
         self.ctx = ctx
         self.task = build_task(cfg)
-        self.grid = PipelineGrid.of(cfg, rank=ctx.rank)
-        self.pp_size, self.dp_size = self.grid.pp_size, self.grid.dp_size
-        self.pp_rank, self.dp_rank = self.grid.pp_rank, self.grid.dp_rank
+        self.dims = cfg.dims
+        self.at = self.dims.coords(ctx.rank)
+        """This rank's pipeline rank, replica and tensor-parallel rank."""
+        self.pp_size, self.dp_size = self.dims.pp, self.dims.dp
+        self.pp_rank, self.dp_rank = self.at.pp, self.at.dp
         self.holds_first, self.holds_last = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
         self.zero_stage = _zero_stage(cfg)
         self.sharded_optimizer = self.zero_stage == 1
@@ -345,12 +346,14 @@ class DeepSpeedPipelineStrategy:
         def forward(x: torch.Tensor) -> Any | None:
             act: Any = x
             if not self.holds_first:
-                src = self.grid.global_rank(pp_rank=self.pp_rank - 1)
+                src = self.dims.rank(pp=self.pp_rank - 1, dp=self.dp_rank, tp=self.at.tp)
                 act = recv_activation(src=src, device=self.ctx.device)
             act = stage(act)
             if self.holds_last:
                 return act
-            send_activation(act, dst=self.grid.global_rank(pp_rank=self.pp_rank + 1))
+            send_activation(
+                act, dst=self.dims.rank(pp=self.pp_rank + 1, dp=self.dp_rank, tp=self.at.tp)
+            )
             return None
 
         sums = evaluate(self.task, forward, batches, device=self.ctx.device)

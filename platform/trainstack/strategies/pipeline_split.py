@@ -35,44 +35,6 @@ Activation = torch.Tensor | tuple[torch.Tensor, ...]
 """What one stage passes to the next."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class PipelineGrid:
-    """Where a rank sits among p pipeline ranks × d replicas × t tensor-parallel ranks
-    (both engines; t > 1 on the torch engine only): global rank = (pp_rank × d +
-    dp_rank) × t + tp_rank. Each tensor-parallel rank runs its own pipeline over its
-    shards, passing its share of the activations to the same tp rank of the next stage."""
-
-    pp_size: int
-    dp_size: int
-    pp_rank: int
-    dp_rank: int
-    tp_size: int = 1
-    tp_rank: int = 0
-
-    @classmethod
-    def of(cls, cfg: JobConfig, *, rank: int) -> PipelineGrid:
-        t = cfg.strategy.tensor_parallel
-        rest, tp_rank = divmod(rank, t)
-        pp_rank, dp_rank = divmod(rest, cfg.strategy.data_parallel)
-        return cls(
-            pp_size=cfg.strategy.stages,
-            dp_size=cfg.strategy.data_parallel,
-            pp_rank=pp_rank,
-            dp_rank=dp_rank,
-            tp_size=t,
-            tp_rank=tp_rank,
-        )
-
-    def global_rank(
-        self, *, pp_rank: int, dp_rank: int | None = None, tp_rank: int | None = None
-    ) -> int:
-        """The global rank at (`pp_rank`, `dp_rank`, `tp_rank`); this rank's replica and
-        tensor-parallel rank by default."""
-        dp = self.dp_rank if dp_rank is None else dp_rank
-        tp = self.tp_rank if tp_rank is None else tp_rank
-        return (pp_rank * self.dp_size + dp) * self.tp_size + tp
-
-
 def last_stage_mean(value: torch.Tensor, *, holds_last: bool, replicas: int) -> float:
     """Mean over the replicas of a value only the last stage knows (the loss). A collective."""
     value = value.detach().to(torch.float64).clone()

@@ -9,7 +9,6 @@ from trainstack.config.checks.allowed import (
     BUILTIN_MODEL_KINDS,
     DATA_KINDS,
     DATA_TASKS,
-    FILE_SOURCES,
     IMPORT_PATH,
     MAX_BLOCK_SIZE,
     MAX_CLASSES,
@@ -29,7 +28,9 @@ from trainstack.config.checks.allowed import (
 )
 from trainstack.config.checks.common import cap, check_choice, next_multiple, require
 from trainstack.errors import ConfigError, show
-from trainstack.kinds import kind_of, kinds_that
+from trainstack.kinds import DATA_KINDS as DATA_KIND_TABLE
+from trainstack.kinds import MODEL_KINDS as MODEL_KIND_TABLE
+from trainstack.kinds import kind_of, kinds_that, load
 
 if TYPE_CHECKING:
     from trainstack.config.sections import (
@@ -57,38 +58,48 @@ def validate_model(m: ModelConfig) -> None:
     require("model.context", m.context >= 1, m.context, ">= 1")
     cap("model.context", m.context, MAX_BLOCK_SIZE)
     validate_model_source(m)
-    if m.kind == "gpt" and m.n_embd % m.n_head:
+    kind = MODEL_KIND_TABLE[m.kind]
+    if kind.spec_check:
+        load(kind.spec_check)(m)
+
+
+def validate_model_source(m: ModelConfig) -> None:
+    """The keys that name where a model comes from belong to one kind each."""
+    for owner in MODEL_KIND_TABLE.values():
+        for key in owner.own_keys:
+            if getattr(m, key) and m.kind != owner.name:
+                raise ConfigError(
+                    f"model.{key} is set but model.kind={m.kind}; it needs model.kind={owner.name}"
+                )
+    if m.checkpoint_modules and m.kind in BUILTIN_MODEL_KINDS:
+        raise ConfigError(
+            f"model.checkpoint_modules applies to custom and hf models; model.kind={m.kind} "
+            "checkpoints its own blocks (set model.activation_checkpointing=true)"
+        )
+
+
+# ---- each model kind's own (`ModelKind.spec_check`) ------------------------------
+
+
+def check_gpt(m: ModelConfig) -> None:
+    if m.n_embd % m.n_head:
         raise ConfigError(
             f"model.n_embd={m.n_embd} must be divisible by model.n_head={m.n_head}; "
             f"allowed: a multiple of {m.n_head}, e.g. {next_multiple(m.n_embd, m.n_head)}"
         )
 
 
-def validate_model_source(m: ModelConfig) -> None:
-    """The keys that name where a model comes from belong to one kind each."""
-    for key, kind, value in (
-        ("target", "custom", m.target),
-        ("args", "custom", m.args),
-        ("hf", "hf", m.hf),
-        ("pretrained", "hf", m.pretrained),
-    ):
-        if value and m.kind != kind:
-            raise ConfigError(
-                f"model.{key} is set but model.kind={m.kind}; it needs model.kind={kind}"
-            )
-    if m.checkpoint_modules and m.kind in BUILTIN_MODEL_KINDS:
-        raise ConfigError(
-            f"model.checkpoint_modules applies to custom and hf models; model.kind={m.kind} "
-            "checkpoints its own blocks (set model.activation_checkpointing=true)"
-        )
-    if m.kind == "custom":
-        check_import_path("model.target", m.target, what="your model class or factory")
-    if m.kind == "hf" and not m.pretrained and "model_type" not in m.hf:
+def check_custom_model(m: ModelConfig) -> None:
+    check_import_path("model.target", m.target, what="your model class or factory")
+
+
+def check_hf(m: ModelConfig) -> None:
+    if not m.pretrained and "model_type" not in m.hf:
         raise ConfigError(
             "model.hf.model_type is missing; allowed: a Hugging Face model type such as "
             "llama or gpt2 (or set model.pretrained to a local save_pretrained directory)"
         )
-    if m.kind == "hf" and "vocab_size" in m.hf:
+    if "vocab_size" in m.hf:
         raise ConfigError(
             f"model.hf.vocab_size={show(m.hf['vocab_size'])} is set; the vocabulary follows "
             "data.vocab_size, so set that instead"
@@ -114,9 +125,10 @@ def validate_task(cfg: JobConfig) -> None:
             f"data.kind={cfg.data.kind} gives samples for task.kind={wanted}, not "
             f"task.kind={t.kind}; choose a {t.kind} data source or set task.kind={wanted}"
         )
-    if t.kind == "classify" and cfg.model.kind not in ("custom",):
+    if t.kind not in MODEL_KIND_TABLE[cfg.model.kind].tasks:
+        takes = kinds_that(lambda k: t.kind in k.tasks, table=MODEL_KIND_TABLE, last=" or ")
         raise ConfigError(
-            f"task.kind=classify needs your own model (model.kind=custom); model.kind="
+            f"task.kind={t.kind} needs your own model (model.kind={takes}); model.kind="
             f"{cfg.model.kind} is a language model (task.kind=lm)"
         )
 
@@ -133,12 +145,6 @@ def validate_data(d: DataConfig) -> None:
     allowed_shape = f"1 to 4 sizes whose product is at most {MAX_INPUT_NUMEL}"
     require("data.shape", shape_ok, list(d.shape), allowed_shape)
     validate_data_files(d)
-    if d.kind == "clusters" and d.num_classes * math.prod(d.shape) > MAX_TEMPLATE_NUMEL:
-        raise ConfigError(
-            f"data.num_classes × data.shape = {d.num_classes} × {list(d.shape)} gives "
-            f"{d.num_classes * math.prod(d.shape)} template values, more than the "
-            f"{MAX_TEMPLATE_NUMEL} (2**25) that fit; lower data.num_classes or data.shape"
-        )
     require(
         "data.vocab_size",
         2 <= d.vocab_size <= MAX_VOCAB_SIZE,
@@ -150,13 +156,9 @@ def validate_data(d: DataConfig) -> None:
     require("data.seed", 0 <= d.seed <= MAX_SEED, d.seed, f"0 to {MAX_SEED}")
     require("data.eval_samples", d.eval_samples >= 0, d.eval_samples, ">= 0")
     cap("data.eval_samples", d.eval_samples, MAX_EVAL_SAMPLES)
-    states = d.vocab_size**d.order
-    if d.kind == "markov" and states > MAX_MARKOV_STATES:
-        raise ConfigError(
-            f"data.vocab_size={d.vocab_size} with data.order={d.order} gives {states} Markov "
-            f"states (vocab_size**order), more than the {MAX_MARKOV_STATES} (2**20) that fit; "
-            "lower data.vocab_size or data.order"
-        )
+    kind = DATA_KIND_TABLE[d.kind]
+    if kind.spec_check:
+        load(kind.spec_check)(d)
 
 
 def validate_data_files(d: DataConfig) -> None:
@@ -164,15 +166,15 @@ def validate_data_files(d: DataConfig) -> None:
     require("data.val_fraction", 0 <= d.val_fraction < 0.5, d.val_fraction, "[0, 0.5)")
     check_choice("data.token_dtype", d.token_dtype, TOKEN_DTYPES)
     check_choice("data.format", d.format, RAY_FORMATS)
-    from_files = d.kind in FILE_SOURCES and not (d.kind == "ray" and d.target)
-    if from_files and not d.train:
+    kind = DATA_KIND_TABLE[d.kind]
+    if kind.reads_files(d.target) and not d.train:
         raise ConfigError(
             f"data.train is empty; data.kind={d.kind} reads your files: set data.train to "
             "paths or globs, e.g. data.train=[corpus/*.bin]"
         )
-    if d.kind == "custom" or (d.kind == "ray" and d.target):
-        what = "a map-style torch Dataset" if d.kind == "custom" else "a ray.data.Dataset"
-        check_import_path("data.target", d.target, what=f"a function or class returning {what}")
+    if kind.from_factory(d.target):
+        what = f"a function or class returning {kind.factory}"
+        check_import_path("data.target", d.target, what=what)
     if d.val and d.val_fraction:
         raise ConfigError(
             f"data.val and data.val_fraction={d.val_fraction} are both set; hold out either "
@@ -185,18 +187,43 @@ def validate_data_files(d: DataConfig) -> None:
         raise ConfigError(
             f"data.inputs_key and data.labels_key are both {show(d.inputs_key)}; they must differ"
         )
-    indexed = ("tokens", "text", "arrays", "custom")
-    if d.kind in indexed and d.eval_samples and not (d.val or d.val_fraction):
+    indexed = not kind.generated and not kind.streams  # held out: files or a split
+    if indexed and d.eval_samples and not (d.val or d.val_fraction):
         raise ConfigError(
             f"data.eval_samples={d.eval_samples} needs held-out data: set data.val (files) or "
             "data.val_fraction (a share of data.train), or data.eval_samples=0"
         )
-    if d.kind == "text" and d.tokenizer != "bytes" and not d.tokenizer.endswith(".json"):
+
+
+# ---- each data kind's own (`DataKind.spec_check`) --------------------------------
+
+
+def check_markov(d: DataConfig) -> None:
+    states = d.vocab_size**d.order
+    if states > MAX_MARKOV_STATES:
+        raise ConfigError(
+            f"data.vocab_size={d.vocab_size} with data.order={d.order} gives {states} Markov "
+            f"states (vocab_size**order), more than the {MAX_MARKOV_STATES} (2**20) that fit; "
+            "lower data.vocab_size or data.order"
+        )
+
+
+def check_clusters(d: DataConfig) -> None:
+    if d.num_classes * math.prod(d.shape) > MAX_TEMPLATE_NUMEL:
+        raise ConfigError(
+            f"data.num_classes × data.shape = {d.num_classes} × {list(d.shape)} gives "
+            f"{d.num_classes * math.prod(d.shape)} template values, more than the "
+            f"{MAX_TEMPLATE_NUMEL} (2**25) that fit; lower data.num_classes or data.shape"
+        )
+
+
+def check_text(d: DataConfig) -> None:
+    if d.tokenizer != "bytes" and not d.tokenizer.endswith(".json"):
         raise ConfigError(
             f"data.tokenizer={show(d.tokenizer)} is not a tokenizer; allowed: bytes, or the "
             "path of a Hugging Face tokenizers JSON file (tokenizer.json)"
         )
-    if d.kind == "text" and d.tokenizer == "bytes" and d.vocab_size != 256:
+    if d.tokenizer == "bytes" and d.vocab_size != 256:
         raise ConfigError(
             f"data.vocab_size={d.vocab_size} does not match data.tokenizer=bytes; set "
             "data.vocab_size=256 (one token per byte)"
@@ -206,7 +233,7 @@ def validate_data_files(d: DataConfig) -> None:
 def validate_streaming(cfg: JobConfig) -> None:
     """`data.kind: ray` streams rows through Ray Train's dataset shards, G / N per worker."""
     d, workers = cfg.data, cfg.scaling.num_workers
-    if d.kind != "ray":
+    if not DATA_KIND_TABLE[d.kind].streams:
         return
     if kind_of(cfg).runs_on == "actors":
         raise ConfigError(

@@ -29,7 +29,7 @@ from trainstack.config.checks.common import cap, check_choice, next_multiple, re
 from trainstack.config.checks.model_data import validate_streaming
 from trainstack.config.checks.strategy import validate_fp64
 from trainstack.errors import ConfigError, show
-from trainstack.kinds import kind_of, kinds_that
+from trainstack.kinds import data_kind_of, kind_of, kinds_that
 from trainstack.storage import check_uri, is_store_uri
 from trainstack.units import parse_quantity
 
@@ -118,16 +118,18 @@ def validate_elastic(cfg: JobConfig) -> None:
     if not s.elastic:
         return
     sizes = f"{{min: {s.min_workers}, max: {s.num_workers}}}"
-    if cfg.strategy.kind not in ("ddp", "zero"):
+    if not kind_of(cfg).elastic:
         raise ConfigError(
             f"scaling.num_workers={sizes} with strategy.kind={cfg.strategy.kind}: elastic "
-            "scaling is for strategy.kind ddp or zero (a pipeline could resize only by whole "
-            "replicas; a parameter server keeps its workers); give num_workers a number"
+            f"scaling is for strategy.kind {kinds_that(lambda k: k.elastic, last=' or ')} (a "
+            "pipeline could resize only by whole replicas; a parameter server keeps its "
+            "workers); give num_workers a number"
         )
-    if cfg.data.kind == "ray":
+    if data_kind_of(cfg).streams:
         raise ConfigError(
-            f"scaling.num_workers={sizes} with data.kind=ray: Ray Data's shards are fixed per "
-            "group; elastic scaling needs an indexed source (markov, tokens, text, arrays, ...)"
+            f"scaling.num_workers={sizes} with data.kind={cfg.data.kind}: Ray Data's shards are "
+            "fixed per group; elastic scaling needs an indexed source (markov, tokens, text, "
+            "arrays, ...)"
         )
     misfits = [n for n in range(s.min_workers, s.num_workers + 1) if g % n]
     if misfits:

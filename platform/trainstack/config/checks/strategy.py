@@ -4,7 +4,7 @@ and float64 training."""
 from __future__ import annotations
 
 import difflib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from trainstack.config.checks.allowed import (
     COMPRESSION_KINDS,
@@ -31,7 +31,7 @@ from trainstack.config.checks.allowed import (
 )
 from trainstack.config.checks.common import cap, check_choice, require
 from trainstack.errors import ConfigError
-from trainstack.kinds import KINDS, kind_of, kinds_that
+from trainstack.kinds import KINDS, kind_of, kinds_that, model_kind_of
 
 if TYPE_CHECKING:
     from trainstack.config.sections import (
@@ -49,7 +49,14 @@ def validate_strategy(cfg: JobConfig) -> None:
     check_choice("strategy.offload_param", s.offload_param, OFFLOAD_DEVICES)
     require("strategy.reduce_bucket_size", s.reduce_bucket_size > 0, s.reduce_bucket_size, "> 0")
     cap("strategy.reduce_bucket_size", s.reduce_bucket_size, MAX_NUMEL)
-    if s.offload_param != "none" and s.kind != "fsdp" and s.stage != 3:
+    offload = kind_of(cfg).offload_param
+    if s.offload_param != "none" and offload == "no":
+        raise ConfigError(
+            f"strategy.offload_param={s.offload_param} is for strategy.kind "
+            f"{kinds_that(lambda k: k.offload_param != 'no', last=' or ')}; got "
+            f"strategy.kind={s.kind} (leave it at none)"
+        )
+    if s.offload_param != "none" and offload == "stage 3" and s.stage != 3:
         raise ConfigError(
             f"strategy.offload_param={s.offload_param} needs strategy.stage=3 "
             f"(ZeRO-3 shards parameters); got stage {s.stage}"
@@ -60,8 +67,7 @@ def validate_strategy(cfg: JobConfig) -> None:
             f"(DeepSpeed's CPU Adam runs the offloaded step); got {cfg.optim.kind}"
         )
     if cfg.deepspeed:
-        deepspeed_pipeline = s.kind == "pipeline" and s.engine == "deepspeed"
-        validate_deepspeed(cfg.deepspeed, kind=s.kind, derives_zero=not deepspeed_pipeline)
+        validate_deepspeed(cfg)
 
 
 def validate_pipeline(cfg: JobConfig) -> None:
@@ -76,13 +82,13 @@ def validate_pipeline(cfg: JobConfig) -> None:
     cap("strategy.virtual_stages", s.virtual_stages, MAX_VIRTUAL_STAGES)
     require("strategy.data_parallel", s.data_parallel >= 1, s.data_parallel, ">= 1")
     cap("strategy.data_parallel", s.data_parallel, MAX_WORKERS)
-    if s.kind != "pipeline":
+    if kind_of(cfg).ranks != "pipeline":
         return
     p, d, v = s.stages, s.data_parallel, cfg.pipeline_virtual_stages
-    if m.kind == "mlp":
+    if not model_kind_of(cfg).pipeline_layers:
         raise ConfigError(
-            "strategy.kind=pipeline cuts a model into its pipeline layers; model.kind=mlp has "
-            "none (use gpt, hf, or a custom model with pipeline_layers())"
+            "strategy.kind=pipeline cuts a model into its pipeline layers; model.kind="
+            f"{m.kind} has none (use gpt, hf, or a custom model with pipeline_layers())"
         )
     t = s.tensor_parallel
     if cfg.scaling.num_workers != p * d * t:
@@ -108,7 +114,7 @@ def validate_pipeline(cfg: JobConfig) -> None:
             f"strategy.virtual_stages={v} is out of range for strategy.schedule={s.schedule}; "
             "allowed: 0 or 2 (the V shape puts exactly two stages on each rank)"
         )
-    if m.kind == "gpt" and p * v > m.n_layer:
+    if model_kind_of(cfg).shape_in_spec and p * v > m.n_layer:
         raise ConfigError(
             f"model.n_layer={m.n_layer} cannot be split into strategy.stages × virtual_stages "
             f"= {p} × {v} = {p * v} stages of at least one block; allowed: n_layer >= {p * v}"
@@ -197,7 +203,7 @@ def validate_deepspeed_pipeline(cfg: JobConfig) -> None:
             "is not what strategy.engine=deepspeed runs; allowed: schedule 1f1b with one "
             "stage per rank (DeepSpeed's PipelineEngine has its own 1F1B-style schedule)"
         )
-    if m.kind == "gpt" and s.stages > m.n_layer:
+    if model_kind_of(cfg).shape_in_spec and s.stages > m.n_layer:
         raise ConfigError(
             f"model.n_layer={m.n_layer} cannot be split into strategy.stages={s.stages} "
             f"stages of at least one block; allowed: n_layer >= {s.stages}"
@@ -228,14 +234,17 @@ def validate_pipeline_batch(cfg: JobConfig) -> None:
         )
 
 
-def validate_deepspeed(raw: dict[str, Any], *, kind: str, derives_zero: bool) -> None:
-    """`deepspeed:` is for DeepSpeed keys trainstack does not derive, under ZeRO or the
-    DeepSpeed pipeline engine (which takes `zero_optimization` from it)."""
-    if derives_zero and kind != "zero":
+def validate_deepspeed(cfg: JobConfig) -> None:
+    """`deepspeed:` is for DeepSpeed keys trainstack does not derive, where DeepSpeed
+    trains: ZeRO (whose `zero_optimization` trainstack derives) or a kind whose
+    `strategy.engine` is deepspeed (the pipeline engine, which takes it from here)."""
+    raw, kind = cfg.deepspeed, kind_of(cfg)
+    if kind.engine_of(cfg) != "deepspeed":
         raise ConfigError(
             "deepspeed: raw DeepSpeed keys apply only with strategy.kind=zero or "
-            f"strategy.engine=deepspeed; got strategy.kind={kind}"
+            f"strategy.engine=deepspeed; got strategy.kind={kind.name}"
         )
+    derives_zero = kind.engine == "deepspeed"
     for key in raw:
         if key in DEEPSPEED_DERIVED_KEYS:
             raise ConfigError(
