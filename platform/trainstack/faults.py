@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from trainstack.config import JobConfig
+from trainstack.run_events import Fault
 
 
 def kill_plan(cfg: JobConfig) -> dict[int, int]:
@@ -68,5 +69,5 @@ class FaultInjector:
             return
         if not first_firing(self.marker_dir / f"killed_before_step_{step}"):
             return  # fired in an earlier attempt; this is the replay
-        self.on_fire({"event": "fault", "step": step, "rank": self.rank, "time": time.time()})
+        self.on_fire(Fault(step=step, rank=self.rank).to_record())
         os._exit(17)

@@ -22,7 +22,7 @@ def follow(*events: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def start(resumed: int) -> dict[str, Any]:
-    return {"event": "start", "resumed_from_step": resumed, "notes": []}
+    return {"event": "start", "resumed_from_step": resumed, "world_size": 2, "notes": []}
 
 
 def logged(*steps: int) -> list[dict[str, Any]]:
@@ -115,3 +115,17 @@ def test_resume_from_with_the_parameter_server_exits_2_before_ray_starts(
     assert code == 2 and len(errors) == 1
     assert "strategy.kind=ps cannot start from a checkpoint" in errors[0]
     assert not (tmp_path / "runs").exists()
+
+
+def test_every_event_comes_back_from_its_record_as_it_was_sent() -> None:
+    from trainstack.run_events import EVENTS, CompressionChange, Start, event_of
+
+    sent = [
+        Start(resumed_from_step=4, world_size=2, notes=["fsdp 2"], worker_entered=1.0),
+        CompressionChange(step=7, ratio=0.01, reason="slow link"),
+    ]
+    for event in sent:
+        record = json.loads(json.dumps(event.to_record()))  # as the JSON-lines harness has it
+        assert record["event"] == event.name and EVENTS[event.name] is type(event)
+        assert event_of(record) == event
+    assert event_of({"step": 3, "loss": 1.0}) is None  # a log record

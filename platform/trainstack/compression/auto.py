@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from trainstack.compression.cost import modelled_comm_seconds
+from trainstack.run_events import CompressionChange
 
 CANDIDATES = (1.0, 0.1, 0.01, 0.001)
 """Ratios auto chooses among (1: dense), down to `compression.ratio`."""
@@ -86,8 +87,8 @@ class Decision:
     """The ratio from the next step on (1.0: dense)."""
     reason: str
 
-    def event(self) -> dict[str, Any]:
-        return {"event": "compression", "ratio": self.ratio, "reason": self.reason}
+    def event(self) -> CompressionChange:
+        return CompressionChange(step=self.step, ratio=self.ratio, reason=self.reason)
 
 
 @dataclass

@@ -31,6 +31,7 @@ from trainstack.compression.quantize import QSGD, Cast, Sign
 from trainstack.compression.sparsify import RandK, TopK
 from trainstack.config import CompressionConfig, JobConfig, OptimConfig
 from trainstack.kinds import kind_of
+from trainstack.run_events import RunEvent
 
 
 def build_compressor(cfg: CompressionConfig, *, seed: int, rank: int) -> Compressor:
@@ -86,7 +87,7 @@ class CompressionState:
         """Optimizer steps compressed so far (0 without a hook)."""
         return self.hook.step if self.hook is not None else 0
 
-    def after_step(self, *, step_s: float, loss: torch.Tensor) -> tuple[dict[str, Any], ...]:
+    def after_step(self, *, step_s: float, loss: torch.Tensor) -> tuple[RunEvent, ...]:
         """Under `kind: auto`, feed the controller this step's figures (averaged over
         ranks: a collective) and, when it asks, time the link; the run events of any
         change of ratio. Nothing otherwise."""

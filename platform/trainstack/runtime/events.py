@@ -6,10 +6,9 @@ progress, MLflow metrics, restart counts and the recovery summary."""
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import ray
 import ray.train
@@ -19,6 +18,16 @@ from ray.util.queue import Empty, Queue
 
 from trainstack.observe.prometheus import RunTelemetry
 from trainstack.observe.tracking import Tracker
+from trainstack.run_events import (
+    CompressionChange,
+    Failure,
+    Fault,
+    FirstStep,
+    RunEvent,
+    Start,
+    StartAttempt,
+    event_of,
+)
 from trainstack.runtime.progress import ProgressDisplay
 
 
@@ -32,9 +41,7 @@ class FailureWatch(ray.train.UserCallback):
         rank, error = next(iter(sorted(worker_exceptions.items())))
         said = last_line(error)
         with contextlib.suppress(Exception):
-            self.events.put_nowait(
-                {"event": "failure", "rank": rank, "error": said[:300], "time": time.time()}
-            )
+            self.events.put_nowait(Failure(rank=rank, error=said[:300]).to_record())
 
 
 class StartAttemptWatch(ControllerCallback):
@@ -49,9 +56,7 @@ class StartAttemptWatch(ControllerCallback):
         self, *, scaling_config: Any, num_workers: int
     ) -> dict[str, str] | None:
         with contextlib.suppress(Exception):
-            self.events.put_nowait(
-                {"event": "start_attempt", "workers": num_workers, "time": time.time()}
-            )
+            self.events.put_nowait(StartAttempt(workers=num_workers).to_record())
         return None  # no label selector: the group is placed as the scaling config says
 
 
@@ -63,11 +68,12 @@ class RunFollower:
     tracker: Tracker
     on_record: Callable[[dict[str, Any]], None] | None = None
     telemetry: RunTelemetry | None = None
-    starts: list[dict[str, Any]] = field(default_factory=list)
-    faults: list[dict[str, Any]] = field(default_factory=list)
-    """Injected kills, each with the `attempt` (index into `starts`) it ended."""
-    failures: list[dict[str, Any]] = field(default_factory=list)
-    """Failures the controller saw, each with its `attempt` and `after_step`."""
+    starts: list[Start] = field(default_factory=list)
+    faults: list[tuple[int, Fault]] = field(default_factory=list)
+    """Injected kills, each with the attempt (index into `starts`) it ended."""
+    failures: list[tuple[int, int, Failure]] = field(default_factory=list)
+    """Failures the controller saw, each with its attempt and the last step heard of
+    before it."""
     resizes: list[dict[str, Any]] = field(default_factory=list)
     """Elastic resizes: the step the new group resumed from, its size before and after,
     and why (`workers lost` after a failure, else `room for more workers`)."""
@@ -77,14 +83,17 @@ class RunFollower:
 
     def handle(self, record: dict[str, Any]) -> None:
         """One record from the queue: a log record (it has a "step" and no "event"), or
-        an event handled by the `event_<name>` method of its name (others, such as
-        `start_attempt`, only reach `on_record`)."""
+        an event, handled by the method for its type (others, such as `StartAttempt`,
+        only reach `on_record`)."""
         if self.on_record is not None:
             self.on_record(record)
-        event = record.get("event")
-        handler = self.log_record if event is None else getattr(self, f"event_{event}", None)
+        if "event" not in record:
+            self.log_record(record)
+            return
+        event = event_of(record)
+        handler = None if event is None else self._handlers.get(type(event))
         if handler is not None:
-            handler(record)
+            handler(self, event)
 
     def log_record(self, record: dict[str, Any]) -> None:
         self.last_step = record["step"]
@@ -92,11 +101,11 @@ class RunFollower:
         if self.display is not None:
             self.display.update({**record, "restarts": self.restarts})
 
-    def event_start(self, record: dict[str, Any]) -> None:
+    def on_start(self, event: Start) -> None:
         """A worker group started (the first, or a restart): the step it resumed from."""
-        self.starts.append(record)
-        self.last_step = record["resumed_from_step"]
-        self._note_resize(record)
+        self.starts.append(event)
+        self.last_step = event.resumed_from_step
+        self._note_resize(event)
         if self.restarts and self.telemetry is not None:
             self.telemetry.record_restart("worker_group")
         if self.display is None:
@@ -104,48 +113,58 @@ class RunFollower:
         if self.restarts:
             self.display.note(
                 f"worker group restarted ({self.restarts}), resuming from step "
-                f"{record['resumed_from_step']}"
+                f"{event.resumed_from_step}"
             )
-        elif record["resumed_from_step"]:
-            self.display.note(f"resuming from step {record['resumed_from_step']}")
-        for note in record.get("notes", []):
+        elif event.resumed_from_step:
+            self.display.note(f"resuming from step {event.resumed_from_step}")
+        for note in event.notes:
             self.display.note(note)
 
-    def event_first_step(self, record: dict[str, Any]) -> None:
-        self.last_step = record["step"]
+    def on_first_step(self, event: FirstStep) -> None:
+        self.last_step = event.step
 
-    def event_fault(self, record: dict[str, Any]) -> None:
+    def on_fault(self, event: Fault) -> None:
         """An injected kill: the step it ended is known exactly."""
-        self.faults.append({**record, "attempt": self.attempt})
+        self.faults.append((self.attempt, event))
 
-    def event_failure(self, record: dict[str, Any]) -> None:
+    def on_failure(self, event: Failure) -> None:
         """Workers the controller saw fail (after the last step the driver heard of)."""
-        self.failures.append({**record, "attempt": self.attempt, "after_step": self.last_step})
+        self.failures.append((self.attempt, self.last_step, event))
         if self.display is not None:
-            self.display.note(f"worker {record['rank']} failed: {record['error']}")
+            self.display.note(f"worker {event.rank} failed: {event.error}")
 
-    def event_compression(self, record: dict[str, Any]) -> None:
+    def on_compression(self, event: CompressionChange) -> None:
         """Adaptive compression changed its ratio."""
-        self.tracker.log_metrics({"compression_topk_ratio": record["ratio"]}, step=record["step"])
+        self.tracker.log_metrics({"compression_topk_ratio": event.ratio}, step=event.step)
         if self.display is not None:
-            self.display.note(f"step {record['step']}: compression {record['reason']}")
+            self.display.note(f"step {event.step}: compression {event.reason}")
 
-    def _note_resize(self, start: dict[str, Any]) -> None:
+    _handlers: ClassVar[dict[type[RunEvent], Callable[[Any, Any], None]]] = {
+        Start: on_start,
+        FirstStep: on_first_step,
+        Fault: on_fault,
+        Failure: on_failure,
+        CompressionChange: on_compression,
+    }
+    """The method for each event type; a type missing here only reaches `on_record`."""
+
+    def _note_resize(self, start: Start) -> None:
         """Record a group that started at another size than the one before it."""
         if len(self.starts) < 2:
             return
-        before, now = self.starts[-2].get("world_size"), start.get("world_size")
-        if before is None or now is None or before == now:
+        before, now = self.starts[-2].world_size, start.world_size
+        if before == now:
             return
-        lost = any(f["attempt"] == len(self.starts) - 2 for f in self.failures)
+        lost = any(attempt == len(self.starts) - 2 for attempt, _, _ in self.failures)
+        step = start.resumed_from_step
         resize = {
-            "step": start["resumed_from_step"],
+            "step": step,
             "from": before,
             "to": now,
             "reason": "workers lost" if lost else "room for more workers",
         }
         self.resizes.append(resize)
-        self.tracker.log_metrics({"world_size": now}, step=resize["step"])
+        self.tracker.log_metrics({"world_size": now}, step=step)
         if self.display is not None:
             self.display.note(
                 f"resized {before} → {now} workers at step {resize['step']} ({resize['reason']})"
@@ -173,7 +192,7 @@ class RunFollower:
         out = []
         for attempt, start in enumerate(self.starts[1:]):
             failed_at = self._failed_after(attempt)
-            resumed = start["resumed_from_step"]
+            resumed = start.resumed_from_step
             out.append(
                 {
                     "resumed_from_step": resumed,
@@ -185,12 +204,12 @@ class RunFollower:
 
     def _failed_after(self, attempt: int) -> int | None:
         """The last step worker group `attempt` finished before it failed."""
-        for fault in self.faults:
-            if fault["attempt"] == attempt:
-                return int(fault["step"]) - 1
-        for failure in self.failures:
-            if failure["attempt"] == attempt:
-                return int(failure["after_step"])
+        for ended, fault in self.faults:
+            if ended == attempt:
+                return fault.step - 1
+        for ended, after_step, _ in self.failures:
+            if ended == attempt:
+                return after_step
         return None
 
 

@@ -324,8 +324,8 @@ def _run_parameter_server(
 
 def _failure_summary(follower: RunFollower, error: BaseException) -> str:
     failures = follower.failures
-    steps = ", ".join(str(f["after_step"]) for f in failures) or "?"
-    last = failures[-1]["error"] if failures else str(error).strip().splitlines()[-1]
+    steps = ", ".join(str(after_step) for _, after_step, _ in failures) or "?"
+    last = failures[-1][2].error if failures else str(error).strip().splitlines()[-1]
     controller = getattr(error, "controller_failure", None)
     if controller is not None:  # the controller gave up (out of start attempts): say why
         last = last_line(controller)

@@ -33,6 +33,7 @@ from trainstack.models import build_model, compiled_blocks, num_params
 from trainstack.models.flops import flops_per_token as training_flops_per_token
 from trainstack.observe.prometheus import RunTelemetry
 from trainstack.observe.throughput import ThroughputMeter, device_peak_flops, mfu, peak_memory_bytes
+from trainstack.run_events import FirstStep, Start
 from trainstack.storage import Location
 from trainstack.strategies import Strategy, WorkerContext, build_strategy
 from trainstack.strategies.base import ReportsLayout, StepOutput, weight_dtype
@@ -163,14 +164,12 @@ def train(
         notes = [group_note, *notes]
     if ctx.rank == 0:
         emit(
-            {
-                "event": "start",
-                "resumed_from_step": start_step,
-                "world_size": ctx.world_size,
-                "notes": notes,
-                "worker_entered": entered,
-                "time": time.time(),
-            }
+            Start(
+                resumed_from_step=start_step,
+                world_size=ctx.world_size,
+                notes=notes,
+                worker_entered=entered,
+            ).to_record()
         )
     # Replicas split the samples; ranks of one replica (a pipeline) see the same ones.
     replicas = cfg.data_parallel_size
@@ -257,9 +256,9 @@ def train(
 
         done = step + 1
         if done == start_step + 1 and ctx.rank == 0:
-            emit({"event": "first_step", "step": done, "time": time.time()})
+            emit(FirstStep(step=done).to_record())
         for event in out.events if ctx.rank == 0 else ():
-            emit({**event, "step": done, "time": time.time()})
+            emit({**event.to_record(), "step": done})
         if done % cfg.log.every_steps == 0 or done == cfg.train.steps:
             train_loss = strategy.global_mean(out.loss)  # a collective: every rank calls it
             window = meter.window()

@@ -20,6 +20,7 @@ from torch import nn
 from trainstack.checkpoint import Checkpoint
 from trainstack.config import JobConfig
 from trainstack.data.sharding import Batch
+from trainstack.run_events import RunEvent
 from trainstack.tasks import EvalSums
 
 
@@ -51,9 +52,9 @@ class StepOutput:
     """Bytes this rank passed to collectives this step (None: the strategy does not measure)."""
     compression_ratio: float | None = None
     """Dense fp32 gradient bytes / bytes_on_wire."""
-    events: tuple[dict[str, Any], ...] = ()
+    events: tuple[RunEvent, ...] = ()
     """Run events of this step, the same on every rank (e.g. adaptive compression's
-    changes: `{"event": "compression", "ratio": ..., "reason": ...}`)."""
+    `CompressionChange`)."""
 
 
 class Strategy(Protocol):
