@@ -57,6 +57,14 @@ def test_demo_variant_reaches_entropy_floor_on_two_workers(
     assert summary["samples_per_s"] == pytest.approx(samples / step_s, rel=1e-9)
     assert 0 < step_s * (cfg.train.steps - 3) < summary["train_s"] < summary["wall_s"]
     assert summary["mfu"] is None  # CPU: no known peak FLOP/s
+    # Start-up, part by part, adds up to the time to the first step, within the run's
+    # wall time (one machine: the driver's and the workers' clocks agree).
+    startup = summary["startup"]
+    parts = ("checks_s", "ray_connect_s", "worker_group_start_s", "model_build_s", "first_step_s")
+    assert all(startup[part] >= 0 for part in parts), startup
+    assert sum(startup[part] for part in parts) == pytest.approx(startup["to_first_step_s"])
+    assert summary["time_to_first_step_s"] == startup["to_first_step_s"] < summary["wall_s"]
+    assert startup["worker_group_start_s"] > 0.5  # the group's processes start and import torch
 
     records = [json.loads(line) for line in stream.getvalue().splitlines()]
     assert [r["step"] for r in records] == [20, 40, 60, 80, 100, 120]

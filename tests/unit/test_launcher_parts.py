@@ -129,3 +129,23 @@ def test_every_event_comes_back_from_its_record_as_it_was_sent() -> None:
         assert record["event"] == event.name and EVENTS[event.name] is type(event)
         assert event_of(record) == event
     assert event_of({"step": 3, "loss": 1.0}) is None  # a log record
+
+
+def test_start_up_is_split_where_the_driver_and_the_first_group_said_each_part_ended() -> None:
+    from trainstack.run_events import FirstStep, Start
+
+    follower = RunFollower(display=None, tracker=NullTracker())
+    assert follower.startup(began=100.0, checked=101.0, connected=104.0) is None
+    first = Start(resumed_from_step=0, world_size=2, worker_entered=109.0, time=111.5)
+    follower.handle(first.to_record())
+    follower.handle(FirstStep(step=1, time=114.0).to_record())
+    follower.handle(Start(resumed_from_step=0, world_size=2, worker_entered=130.0).to_record())
+    follower.handle(FirstStep(step=1, time=140.0).to_record())  # a restart's: not start-up
+    assert follower.startup(began=100.0, checked=101.0, connected=104.0) == {
+        "checks_s": 1.0,
+        "ray_connect_s": 3.0,
+        "worker_group_start_s": 5.0,
+        "model_build_s": 2.5,
+        "first_step_s": 2.5,
+        "to_first_step_s": 14.0,
+    }

@@ -117,10 +117,19 @@ def test_summary_prints_loss_against_the_floor() -> None:
             "train_s": 20.0,
             "restarts": 2,
             "recovery": [{"steps_lost": 3}, {"steps_lost": 1}],
+            "startup": {
+                "checks_s": 0.9,
+                "ray_connect_s": 3.1,
+                "worker_group_start_s": 5.0,
+                "model_build_s": 2.1,
+                "first_step_s": 3.1,
+                "to_first_step_s": 14.2,
+            },
         }
     )
     assert "2.2000 (held-out)" in text and "+10.0% above" in text
     assert "512 MiB per worker" in text and "steps lost per restart: 3, 1" in text
+    assert "start-up       14.2 s to the first step (checks 0.9, Ray 3.1, worker group 5.0, " in text
 
 
 def test_kill_plan_is_seeded_in_range_and_honours_explicit_steps() -> None:

@@ -80,6 +80,8 @@ class RunFollower:
     last_step: int = 0
     """The newest step the current attempt is known to have finished: its last logged
     step, its first step, or the step it resumed from."""
+    first_step: FirstStep | None = None
+    """The first worker group's first step (start-up ends there)."""
 
     def handle(self, record: dict[str, Any]) -> None:
         """One record from the queue: a log record (it has a "step" and no "event"), or
@@ -122,6 +124,8 @@ class RunFollower:
 
     def on_first_step(self, event: FirstStep) -> None:
         self.last_step = event.step
+        if self.first_step is None:
+            self.first_step = event
 
     def on_fault(self, event: Fault) -> None:
         """An injected kill: the step it ended is known exactly."""
@@ -178,6 +182,26 @@ class RunFollower:
     def attempt(self) -> int:
         """Index of the worker group now running (0 before the first start)."""
         return max(0, len(self.starts) - 1)
+
+    def startup(self, *, began: float, checked: float, connected: float) -> dict[str, float] | None:
+        """Where the time to the first step went, in seconds. `began` (the run was asked
+        for), `checked` (the driver's checks done: pre-flight, the plan) and `connected`
+        (Ray answered, or started) are the driver's wall clock, the rest the first worker
+        group's rank 0's: starting the worker group (tracking, placement, the workers'
+        processes and imports), building the model and strategy (data, weights,
+        restore), the first step (with any compilation). None until the first group has
+        finished a step."""
+        if not self.starts or self.first_step is None:
+            return None
+        start, first = self.starts[0], self.first_step
+        return {
+            "checks_s": checked - began,
+            "ray_connect_s": connected - checked,
+            "worker_group_start_s": start.worker_entered - connected,
+            "model_build_s": start.time - start.worker_entered,
+            "first_step_s": first.time - start.time,
+            "to_first_step_s": first.time - began,
+        }
 
     def recovery(self) -> list[dict[str, Any]]:
         """Per restart: the step it resumed from, the last step finished before the

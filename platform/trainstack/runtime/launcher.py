@@ -128,7 +128,7 @@ def run_job(
     run's own from another spec (`checkpoint.checked_start`), and RunFailedError when the
     worker group fails for good or finds no room within `scaling.start_timeout_s`.
     """
-    wall_start = time.perf_counter()
+    wall_start, began = time.perf_counter(), time.time()
     if resume_from is not None and not kind_of(cfg).resumes_other_runs:
         raise ConfigError(
             f"--resume-from {resume_from}: strategy.kind=ps cannot start from a checkpoint "
@@ -162,7 +162,9 @@ def run_job(
         )
         return summary
 
+    checked = time.time()
     started_local = connect(address)
+    connected = time.time()
     if display is not None:
         display.note(dashboard_line())
     waiting = cluster_wait_note(cfg, ray.available_resources()) if target == "cluster" else None
@@ -249,6 +251,7 @@ def run_job(
             raise RunFailedError(start_timeout_message(cfg))
         raise RunFailedError(_failure_summary(follower, error))
     result = outcome["result"]
+    startup = follower.startup(began=began, checked=checked, connected=connected)
     summary = dict(result.metrics or {})
     summary.update(
         wall_s=time.perf_counter() - wall_start,
@@ -256,6 +259,8 @@ def run_job(
         final_checkpoint=str(checkpoints / Path(result.checkpoint.path).name)
         if result.checkpoint
         else None,
+        startup=startup,
+        time_to_first_step_s=startup["to_first_step_s"] if startup else None,
         restarts=follower.restarts,
         recovery=follower.recovery(),
         resizes=follower.resizes,

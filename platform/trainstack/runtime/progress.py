@@ -109,6 +109,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("peak memory", f"{summary['peak_mem_bytes'] / 2**20:,.0f} MiB per worker"),
         ("wall time", f"{summary.get('wall_s', 0):.1f} s  (training {summary['train_s']:.1f} s)"),
     ]
+    if summary.get("startup"):
+        rows.append(("start-up", startup_line(summary["startup"])))
     if "ps" in summary:
         ps = summary["ps"]
         rows.append(
@@ -147,6 +149,20 @@ def format_summary(summary: dict[str, Any]) -> str:
         rows.append(("tracking", f"FAILED: {summary['tracking_error']}"))
     width = max(len(key) for key, _ in rows)
     return "\n".join(f"  {key:<{width}}  {value}" for key, value in rows)
+
+
+def startup_line(startup: dict[str, float]) -> str:
+    """`14.2 s to the first step (checks 0.9, Ray 3.1, worker group 5.0, model 2.1, first
+    step 3.1)`."""
+    parts = (
+        ("checks", "checks_s"),
+        ("Ray", "ray_connect_s"),
+        ("worker group", "worker_group_start_s"),
+        ("model", "model_build_s"),
+        ("first step", "first_step_s"),
+    )
+    said = ", ".join(f"{name} {startup[key]:.1f}" for name, key in parts)
+    return f"{startup['to_first_step_s']:.1f} s to the first step ({said})"
 
 
 def bits_per_byte_line(summary: dict[str, Any]) -> str:
