@@ -3,14 +3,15 @@
 For each GPT size (block 1024, GPT-2's 50,304-token vocabulary, random token files):
 (a) trainstack: `run_job` on an embedded local Ray, one GPU worker, bf16 autocast, SDPA
     attention, fused AdamW, `train.compile` (each block compiled), under each `--layouts`
-    entry (`ddp`, `zero2`, `zero3`, `fsdp`);
+    entry (`ddp`, `zero1`, `zero2`, `zero3`, `fsdp`; a pipeline needs two devices);
 (b) raw: the loop below, written out by hand: the same GPT, torch.compile, bf16
     autocast, fused AdamW, batches of the same token file.
 Reported: steady-state tokens/s (after `--warmup` steps), MFU for both from one count
 (6 FLOPs a parameter a token plus attention's 12·L·h·T, the PaLM paper's) against the
-device's peak (`trainstack.observe.throughput.PEAK_FLOPS`), peak memory, and trainstack/raw.
+device's peak (`trainstack.observe.throughput.PEAK_FLOPS`), peak memory, trainstack/raw
+and trainstack's time to the first step (with its start-up split in the JSON rows).
 
-    python benchmarks/gpu.py --sizes 124M 355M 1.3B --layouts ddp zero2 zero3 fsdp
+    python benchmarks/gpu.py --sizes 124M 355M 1.3B --layouts ddp zero1 zero2 zero3 fsdp
     python benchmarks/gpu.py --device cpu --sizes tiny --steps 6   # checks the script
 
 On CPU there is no peak to compare with (MFU is None) and bf16 and compile are off:
@@ -55,6 +56,7 @@ SIZES = {
 }
 LAYOUTS = {
     "ddp": {"kind": "ddp"},
+    "zero1": {"kind": "zero", "stage": 1},
     "zero2": {"kind": "zero", "stage": 2},
     "zero3": {"kind": "zero", "stage": 3},
     "fsdp": {"kind": "fsdp"},
@@ -115,6 +117,8 @@ def through_trainstack(
         "mfu": model_flops_utilisation(size, summary["params"], summary["tokens_per_s"], device),
         "peak_mem_bytes": summary.get("peak_mem_bytes"),
         "final_loss": summary["final_loss"],
+        "time_to_first_step_s": summary.get("time_to_first_step_s"),
+        "startup": summary.get("startup"),
     }
 
 
@@ -163,6 +167,15 @@ def raw_loop(size: Size, *, tokens: Path, steps: int, warmup: int, gpu: bool) ->
     }
 
 
+def record(row: dict[str, Any], path: Path | None, *, device: str) -> None:
+    """Append one measured row (with the device and date) as a JSON line, as it lands."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as out:
+        out.write(json.dumps({**row, "device": device, "date": time.strftime("%Y-%m-%d")}) + "\n")
+
+
 def model_flops_utilisation(
     size: Size, params: int, tokens_per_s: float, device: torch.device
 ) -> float | None:
@@ -184,10 +197,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument(
+        "--jsonl", type=Path, default=None, help="append each row here as it is measured"
+    )
     args = parser.parse_args()
     gpu = args.device == "cuda"
     if gpu and not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu.py: no CUDA device; use --device cpu to check it")
+    device_name = torch.cuda.get_device_name() if gpu else "cpu"
     rows = []
     with tempfile.TemporaryDirectory(prefix="trainstack-gpu-") as tmp:
         for name in args.sizes:
@@ -195,6 +212,7 @@ def main() -> None:
             tokens = token_file(Path(tmp), size, steps=args.steps)
             raw = raw_loop(size, tokens=tokens, steps=args.steps, warmup=args.warmup, gpu=gpu)
             rows.append({"size": name, "run": "raw", **raw})
+            record(rows[-1], args.jsonl, device=device_name)
             for layout in args.layouts:
                 ours = through_trainstack(
                     size,
@@ -207,14 +225,21 @@ def main() -> None:
                 )
                 ratio = ours["tokens_per_s"] / raw["tokens_per_s"]
                 rows.append({"size": name, "run": f"trainstack {layout}", **ours, "vs_raw": ratio})
-    print(f"{'size':>5}  {'run':<18} {'tokens/s':>12} {'MFU':>6} {'peak mem':>10} {'vs raw':>7}")
+                record(rows[-1], args.jsonl, device=device_name)
+    print(f"{device_name}, {time.strftime('%Y-%m-%d')}")
+    print(
+        f"{'size':>5}  {'run':<18} {'tokens/s':>12} {'MFU':>6} {'peak mem':>10} {'vs raw':>7} "
+        f"{'first step':>10}"
+    )
     for row in rows:
         share = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
         memory = f"{row['peak_mem_bytes'] / 2**30:.1f} GiB" if row["peak_mem_bytes"] else "-"
         ratio = f"{row['vs_raw']:.3f}" if "vs_raw" in row else ""
+        first = row.get("time_to_first_step_s")
+        first_s = f"{first:.1f} s" if first is not None else ""
         print(
             f"{row['size']:>5}  {row['run']:<18} {row['tokens_per_s']:>12,.0f} {share:>6} "
-            f"{memory:>10} {ratio:>7}"
+            f"{memory:>10} {ratio:>7} {first_s:>10}"
         )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
