@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainstack.config import JobConfig, config_from_dict, config_to_dict, load_config
 from trainstack.data import build_corpus
-from trainstack.data.sharding import DataCursor, ShardedBatches
+from trainstack.data.sharding import ShardedBatches
 from trainstack.models import build_model
 from trainstack.optim import build_optimizer, build_scheduler
 from trainstack.runtime.gloo_processes import rendezvous
@@ -53,15 +53,7 @@ def plain_worker(rank: int, spec: dict[str, Any], world: int, init_method: str, 
     ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.strategy.bucket_cap_mb)
     optimizer = build_optimizer(model, cfg.optim, lr=cfg.optim.lr)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps=cfg.train.steps)
-    batches = ShardedBatches(
-        corpus=build_corpus(cfg.data),
-        seq_len=cfg.model.block_size,
-        global_batch_size=cfg.train.global_batch_size,
-        micro_batch_size=cfg.train.micro_batch_size,
-        rank=rank,
-        world_size=world,
-        cursor=DataCursor(),
-    )
+    batches = ShardedBatches.for_job(cfg, build_corpus(cfg.data), rank=rank, world_size=world)
     startup_s = time.perf_counter() - start
     times = []
     for _ in range(cfg.train.steps):

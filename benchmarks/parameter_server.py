@@ -220,13 +220,8 @@ class DataWorker:
         torch.set_num_threads(1)
         self.model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.train.seed)
         self.params = dict(self.model.named_parameters())
-        self.batches = ShardedBatches(
-            corpus=build_corpus(cfg.data),
-            seq_len=cfg.model.block_size,
-            global_batch_size=cfg.train.global_batch_size,
-            micro_batch_size=cfg.train.micro_batch_size,
-            rank=index,
-            world_size=cfg.scaling.num_workers,
+        self.batches = ShardedBatches.for_job(
+            cfg, build_corpus(cfg.data), rank=index, world_size=cfg.scaling.num_workers
         )
         self.slow_factor = slow_factor
         self.seconds = {"set_weights": 0.0, "compute": 0.0, "slow": 0.0}
@@ -342,13 +337,8 @@ def compute_ms(args: argparse.Namespace) -> float:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.train.seed)
-    batches = ShardedBatches(
-        corpus=build_corpus(cfg.data),
-        seq_len=cfg.model.block_size,
-        global_batch_size=cfg.train.global_batch_size,
-        micro_batch_size=cfg.train.micro_batch_size,
-        rank=0,
-        world_size=cfg.scaling.num_workers,
+    batches = ShardedBatches.for_job(
+        cfg, build_corpus(cfg.data), rank=0, world_size=cfg.scaling.num_workers
     )
     times = []
     for _ in range(30):

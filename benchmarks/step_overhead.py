@@ -33,7 +33,7 @@ import torch
 
 from trainstack.config import JobConfig, config_from_dict
 from trainstack.data import build_corpus
-from trainstack.data.sharding import DataCursor, ShardedBatches
+from trainstack.data.sharding import ShardedBatches
 from trainstack.models import build_model
 from trainstack.optim import build_optimizer, build_scheduler
 from trainstack.runtime.gloo_processes import run_processes
@@ -70,15 +70,7 @@ def raw_step_times(cfg: JobConfig) -> list[float]:
     model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.train.seed)
     optimizer = build_optimizer(model, cfg.optim, lr=cfg.optim.lr)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps=cfg.train.steps)
-    batches = ShardedBatches(
-        corpus=build_corpus(cfg.data),
-        seq_len=cfg.model.block_size,
-        global_batch_size=cfg.train.global_batch_size,
-        micro_batch_size=cfg.train.micro_batch_size,
-        rank=0,
-        world_size=1,
-        cursor=DataCursor(),
-    )
+    batches = ShardedBatches.for_job(cfg, build_corpus(cfg.data), rank=0, world_size=1)
     times = []
     for _ in range(cfg.train.steps):
         start = time.perf_counter()

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from trainstack.config import JobConfig
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 """(inputs, targets) of one micro-batch, rows in global-index order: token ids
@@ -88,6 +91,22 @@ class ShardedBatches:
                 f"micro_batch_size * world_size = {per_micro_step}"
             )
         assert 0 <= self.rank < self.world_size
+
+    @classmethod
+    def for_job(
+        cls, cfg: JobConfig, corpus: Corpus, *, rank: int, world_size: int, samples_seen: int = 0
+    ) -> ShardedBatches:
+        """Replica `rank` of `world_size`'s batches of `corpus` at the job's sequence length
+        and batch sizes, from sample `samples_seen` of the global stream."""
+        return cls(
+            corpus=corpus,
+            seq_len=cfg.model.block_size,
+            global_batch_size=cfg.train.global_batch_size,
+            micro_batch_size=cfg.train.micro_batch_size,
+            rank=rank,
+            world_size=world_size,
+            cursor=DataCursor(samples_seen=samples_seen),
+        )
 
     @property
     def accum_steps(self) -> int:

@@ -23,7 +23,7 @@ import torch
 from trainstack.compression import ErrorFeedback, build_compressor
 from trainstack.config import config_from_dict
 from trainstack.data import build_corpus
-from trainstack.data.sharding import DataCursor, ShardedBatches
+from trainstack.data.sharding import ShardedBatches
 from trainstack.faults import FaultInjector
 from trainstack.models import build_model
 from trainstack.observe.prometheus import PsWorkerTelemetry
@@ -62,14 +62,12 @@ class ParameterServerWorker:
         self.params = dict(self.model.named_parameters())
         self.task = build_task(cfg)
         self.clock: int = cast(int, ray.get(board.worker_started.remote(index)))
-        self.batches = ShardedBatches(
-            corpus=build_corpus(cfg.data),
-            seq_len=cfg.model.block_size,
-            global_batch_size=cfg.train.global_batch_size,
-            micro_batch_size=cfg.train.micro_batch_size,
+        self.batches = ShardedBatches.for_job(
+            cfg,
+            build_corpus(cfg.data),
             rank=index,
             world_size=cfg.scaling.num_workers,
-            cursor=DataCursor(samples_seen=self.clock * cfg.train.global_batch_size),
+            samples_seen=self.clock * cfg.train.global_batch_size,
         )
         compression = cfg.compression
         self.compressors = [

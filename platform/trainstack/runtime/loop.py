@@ -26,7 +26,7 @@ from trainstack.data import Source, build_corpus
 from trainstack.data.bits_per_byte import summary_bits_per_byte
 from trainstack.data.ray_source import RaySource
 from trainstack.data.ray_stream import RayStepBatches
-from trainstack.data.sharding import DataCursor, ShardedBatches, eval_batches
+from trainstack.data.sharding import ShardedBatches, eval_batches
 from trainstack.faults import FaultInjector
 from trainstack.kinds import data_kind_of
 from trainstack.models import build_model, compiled_blocks, num_params
@@ -177,14 +177,12 @@ def train(
     if isinstance(corpus, RaySource):  # rows streamed from this rank's shard, resumed by count
         batches = RayStepBatches.for_worker(cfg, ctx, restored=restored)
     else:
-        batches = ShardedBatches(
-            corpus=corpus,
-            seq_len=seq_len,
-            global_batch_size=cfg.train.global_batch_size,
-            micro_batch_size=cfg.train.micro_batch_size,
+        batches = ShardedBatches.for_job(
+            cfg,
+            corpus,
             rank=cfg.data_parallel_rank(ctx.rank),
             world_size=replicas,
-            cursor=DataCursor(samples_seen=restored.samples_seen if restored else 0),
+            samples_seen=restored.samples_seen if restored else 0,
         )
     meter = ThroughputMeter(
         tokens_per_step=cfg.train.global_batch_size * cfg.tokens_per_sample,
