@@ -15,9 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainstack.config import ConfigError, ModelConfig, config_from_dict
-from trainstack.models import build_model, checkpoint_blocks
+from trainstack.models import build_model, checkpoint_blocks, repeated_blocks
 from trainstack.models.hf import HFCausalLM, build_hf_model, export_pretrained
-from trainstack.strategies.pipeline_split import StageModule, split_stages, tied_parameters
+from trainstack.strategies.pipeline_split import (
+    StageModule,
+    check_pipeline_model,
+    split_stages,
+    tied_parameters,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -281,8 +286,9 @@ def broken_weights(saved: Path, tmp_path: Path) -> Path:
 
 
 MISTAKES: list[tuple[str, dict[str, Any], str]] = [
-    ("unknown family", {"hf": {"model_type": "mistral"}}, "allowed: gpt2, llama"),
-    ("not an HF type", {"hf": {"model_type": "nope"}}, "'nope' is not supported"),
+    ("not a causal LM", {"hf": {"model_type": "vit"}}, "'vit' is not a causal LM"),
+    ("not an HF type", {"hf": {"model_type": "qwen9"}}, "did you mean qwen3, qwen2"),
+    ("experts", {"hf": {**HF["llama"], "experts_implementation": "x"}}, "allowed: eager,"),
     ("unknown key", {"hf": {**HF["gpt2"], "intermediate_size": 64}}, "not a gpt2 config key"),
     ("typo", {"hf": {**HF["llama"], "hidden_sise": 32}}, "did you mean hidden_size"),
     ("alias twice", {"hf": {**HF["gpt2"], "hidden_size": 32}}, "sets n_embd twice"),
@@ -338,3 +344,52 @@ def test_missing_transformers_says_how_to_install(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(ConfigError, match=r"pip install 'trainstack\[hf\]'") as err:
         build_hf_model(model_cfg("llama"), vocab_size=VOCAB)
     assert "\n" not in str(err.value)
+
+
+OTHERS: dict[str, dict[str, Any]] = {
+    "qwen2": HF["llama"],
+    "gemma3_text": {**HF["llama"], "head_dim": 8, "sliding_window": 4},  # windows < T
+    "qwen3_moe": {
+        **HF["llama"],
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+    },
+    "gemma2": {**HF["llama"], "head_dim": 8},  # no sdpa in transformers: eager
+}
+
+
+@pytest.mark.parametrize("family", sorted(OTHERS))
+def test_a_family_without_pipeline_layers_runs_its_own_forward(family: str) -> None:
+    cfg = ModelConfig(kind="hf", hf={**OTHERS[family], "model_type": family}, block_size=T)
+    model = build_model(cfg, vocab_size=VOCAB, seed=0)
+    assert isinstance(model, HFCausalLM)
+    model = perturbed(model).eval()
+    twin = hf_twin(model)
+    assert list(model.state_dict()) == list(twin.state_dict())  # HF's keys: exports as is
+    idx = tokens()
+    torch.testing.assert_close(model(idx), twin(idx).logits, atol=1e-5, rtol=0)
+    # Its decoder layers (transformers' _no_split_modules) are the blocks FSDP shards
+    # and activation checkpointing recomputes.
+    blocks = repeated_blocks(model)
+    assert [type(b).__name__ for b in blocks] == sorted(twin._no_split_modules) * 2
+    if family == "gemma2":
+        assert model.config._attn_implementation == "eager"
+
+
+def test_a_family_without_pipeline_layers_is_refused_a_pipeline_in_one_line() -> None:
+    raw = {
+        "model": {"kind": "hf", "hf": {**OTHERS["qwen2"], "model_type": "qwen2"}, "block_size": T},
+        "data": {"vocab_size": VOCAB},
+        "train": {"global_batch_size": 8, "micro_batch_size": 2},
+        "strategy": {"kind": "pipeline", "stages": 2},
+        "scaling": {"num_workers": 2},
+    }
+    cfg = config_from_dict(raw)
+    model = build_model(cfg.model, vocab_size=VOCAB, seed=0)
+    with pytest.raises(ConfigError) as err:
+        check_pipeline_model(cfg, model)
+    assert str(err.value) == (
+        "model.hf.model_type=qwen2 runs its own Hugging Face forward, and trainstack has "
+        "pipeline layers for gpt2, llama only; use strategy.kind ddp, zero, fsdp or ps for it"
+    )

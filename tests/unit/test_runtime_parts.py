@@ -129,7 +129,9 @@ def test_summary_prints_loss_against_the_floor() -> None:
     )
     assert "2.2000 (held-out)" in text and "+10.0% above" in text
     assert "512 MiB per worker" in text and "steps lost per restart: 3, 1" in text
-    assert "start-up       14.2 s to the first step (checks 0.9, Ray 3.1, worker group 5.0, " in text
+    assert (
+        "start-up       14.2 s to the first step (checks 0.9, Ray 3.1, worker group 5.0, " in text
+    )
 
 
 def test_kill_plan_is_seeded_in_range_and_honours_explicit_steps() -> None:

@@ -114,8 +114,10 @@ def compiled_blocks(root: nn.Module) -> list[nn.Module]:
 
 
 def repeated_blocks(model: nn.Module, *, class_names: tuple[str, ...] = ()) -> list[nn.Module]:
-    """The model's blocks: the modules whose class is named in `class_names`, else the
-    pipeline layers whose class repeats (a GPT's blocks, not its embedding or head)."""
+    """The model's blocks: the modules whose class is named in `class_names` or in the
+    model's own `block_classes` (a Hugging Face family that runs its own forward), else
+    the pipeline layers whose class repeats (a GPT's blocks, not its embedding or head)."""
+    class_names = class_names or tuple(getattr(model, "block_classes", ()))
     if class_names:
         return [m for m in model.modules() if type(m).__name__ in class_names]
     layers = pipeline_layers(model) or []

@@ -1,19 +1,29 @@
 """Hugging Face causal LMs (`model.kind: hf`), built from a config: nothing is downloaded.
 
-The HF config is `model.hf` (any key of the family's config class, or an alias such as
-gpt2's `hidden_size`) over these defaults: max positions = `model.block_size`, the
-family's dropout keys = `model.dropout`, no special token ids outside the vocabulary,
-the family's own `tie_word_embeddings`. `vocab_size` is `data.vocab_size`, weights are
-fp32 and attention is sdpa. With `model.pretrained`, the saved config.json and weights
-are the start; `model.dropout` and `model.hf` override the saved config only where
-every saved weight still loads as it is (dropout or rope may change, not layers or
-widths), and `model.hf.model_type`, if given, must be the saved one.
+Any `model_type` that transformers' `AutoModelForCausalLM` builds is a family (llama,
+qwen2, qwen3, mistral, gemma3_text, phi3, olmo2, mixtral, qwen3_moe, ...). The HF config
+is `model.hf` (any key of the family's config class, or an alias such as gpt2's
+`hidden_size`) over these defaults: max positions = `model.block_size`, the family's
+dropout keys = `model.dropout`, no special token ids outside the vocabulary, the
+family's own `tie_word_embeddings`. `vocab_size` is `data.vocab_size`, weights are fp32
+and attention is sdpa (eager for a family without sdpa). With `model.pretrained`, the
+saved config.json and weights are the start; `model.dropout` and `model.hf` override
+the saved config only where every saved weight still loads as it is (dropout or rope
+may change, not layers or widths), and `model.hf.model_type`, if given, must be the
+saved one.
 
 `HFCausalLM` holds the HF model's top-level modules under their own names (state_dict
-keys are HF's) and computes logits by applying `pipeline_layers()` in order, the code a
-pipeline stage runs. Causality: decoder layers get no attention mask, so sdpa runs
-causal (`is_causal`, as HF's own forward on unpadded input) - hence sdpa only. Ties: a
-tied embedding stays one Parameter, in the first layer and the last.
+keys are HF's). A family with pipeline layers here (`FAMILIES`: llama, gpt2) computes
+logits by applying `pipeline_layers()` in order, the code a pipeline stage runs:
+decoder layers get no attention mask, so sdpa runs causal (`is_causal`, as HF's own
+forward on unpadded input) - hence sdpa only. Every other family runs its own HF
+forward (its masks, sliding windows, rotary embeddings and experts as transformers
+writes them) and trains under ddp, zero, fsdp (its `_no_split_modules` blocks are the
+FSDP units and what activation checkpointing recomputes) and the parameter server; a
+pipeline or tensor parallelism needs its layers or plan here, and is refused in one
+line without. Ties: a tied embedding stays one Parameter, in the first layer and the
+last. A mixture-of-experts family trains on the cross-entropy alone (no router
+auxiliary loss).
 """
 
 from __future__ import annotations
@@ -95,8 +105,9 @@ class HFFamily:
     """The config keys that `model.dropout` fills."""
     fixed: dict[str, Any]
     """Config keys with the one value the pipeline layers support."""
-    layers: Callable[[nn.Module], list[nn.Module]]
-    """The wrapper's pipeline layers, built from references to its modules."""
+    layers: Callable[[nn.Module], list[nn.Module]] | None
+    """The wrapper's pipeline layers, built from references to its modules; None: the
+    family runs its own HF forward (no pipeline)."""
 
 
 def _llama_layers(model: nn.Module) -> list[nn.Module]:
@@ -136,7 +147,12 @@ FAMILIES: dict[str, HFFamily] = {
         layers=_gpt2_layers,
     ),
 }
-"""The supported `model_type`s; another family needs its own pipeline layers here."""
+"""The families with pipeline layers here (any other causal LM runs its own forward)."""
+
+DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop")
+"""The dropout keys a family's config may have (`model.dropout` fills those it has)."""
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")
+"""Where a family's config keeps the longest sequence it takes."""
 
 _FP32 = "weights are fp32 and train.precision sets the compute precision"
 OWNED_KEYS: dict[str, str] = {
@@ -165,6 +181,13 @@ class HFCausalLM(nn.Module):
         self.config: Any = getattr(hf_model, "config")  # noqa: B009
         self.family = family
         self._kept_layers: list[nn.Module] = []
+        self.__dict__["_hf"] = hf_model  # its children are ours: not registered twice
+        adapted = family in FAMILIES
+        no_split = getattr(hf_model, "_no_split_modules", None) or ()
+        self.block_classes: tuple[str, ...] = () if adapted else tuple(sorted(no_split))
+        """The decoder block classes (FSDP units, what activation checkpointing and
+        compilation take) of a family that runs its own forward; empty: the pipeline
+        layers' repeated ones."""
 
     def pipeline_layers(self) -> list[nn.Module]:
         """Embedding, one layer per decoder block (all of one class), head.
@@ -174,7 +197,14 @@ class HFCausalLM(nn.Module):
         that activation checkpointing installs) lasts; one whose modules were replaced is
         built anew.
         """
-        fresh = FAMILIES[self.family].layers(self)
+        build = FAMILIES[self.family].layers if self.family in FAMILIES else None
+        if build is None:
+            raise ConfigError(
+                f"model.hf.model_type={self.family} runs its own Hugging Face forward, and "
+                f"trainstack has pipeline layers for {', '.join(sorted(FAMILIES))} only; use "
+                "strategy.kind ddp, zero, fsdp or ps for it"
+            )
+        fresh = build(self)
         kept = self._kept_layers
         layers = [
             kept[i] if i < len(kept) and _wraps_same(kept[i], layer) else layer
@@ -184,6 +214,9 @@ class HFCausalLM(nn.Module):
         return list(layers)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if self.family not in FAMILIES:
+            logits: torch.Tensor = self.__dict__["_hf"](input_ids=idx, use_cache=False).logits
+            return logits
         x = idx
         for layer in self.pipeline_layers():
             x = layer(x)
@@ -238,11 +271,11 @@ def hf_config(cfg: ModelConfig, *, vocab_size: int) -> Any:
     if cfg.pretrained:
         saved = _saved_config(cfg, vocab_size=vocab_size, transformers=transformers)
         config_class: Any = type(saved)
-        family = FAMILIES[saved.model_type]
+        family = _family(saved.model_type, key="model_type", transformers=transformers)
         start: dict[str, Any] = saved.to_dict()
     else:
         model_type = str(cfg.hf["model_type"])
-        family = _family(model_type, key="model.hf.model_type")
+        family = _family(model_type, key="model.hf.model_type", transformers=transformers)
         config_class = transformers.CONFIG_MAPPING[model_type]
         start = {family.positions_key: cfg.block_size, "vocab_size": vocab_size}
         for key in SPECIAL_TOKEN_KEYS:
@@ -250,9 +283,13 @@ def hf_config(cfg: ModelConfig, *, vocab_size: int) -> Any:
             if isinstance(default, int) and not 0 <= default < vocab_size:
                 start[key] = None
     dropout = dict.fromkeys(family.dropout_keys, cfg.dropout)
-    keys = _user_keys(cfg.hf, config_class)
+    keys = _user_keys(cfg.hf, config_class, adapted=model_type_of(config_class) in FAMILIES)
+    attention = keys.pop("attn_implementation", _attention(config_class, transformers))
+    kernels = {k: keys.pop(k) for k in ("experts_implementation",) if k in keys}
     try:
-        config = config_class.from_dict({**start, **dropout, **keys}, attn_implementation="sdpa")
+        config = config_class.from_dict(
+            {**start, **dropout, **keys}, attn_implementation=attention, **kernels
+        )
     except Exception as e:
         raise ConfigError(
             f"model.hf: {config_class.model_type} refused it: {_one_line(e)}"
@@ -270,18 +307,48 @@ def _import_transformers() -> Any:
         ) from None
 
 
-def _family(model_type: str, *, key: str) -> HFFamily:
-    if model_type not in FAMILIES:
+def model_type_of(config_class: Any) -> str:
+    return str(config_class.model_type)
+
+
+def _family(model_type: str, *, key: str, transformers: Any) -> HFFamily:
+    """The family's entry in `FAMILIES`, or one read from its config class (a family
+    that runs its own forward); ConfigError for a model_type that is not a causal LM."""
+    if model_type in FAMILIES:
+        return FAMILIES[model_type]
+    causal = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if model_type not in causal or model_type not in transformers.CONFIG_MAPPING:
+        hint = difflib.get_close_matches(model_type, sorted(causal), n=3)
         raise ConfigError(
-            f"{key}={show(model_type)} is not supported; allowed: {', '.join(sorted(FAMILIES))} "
-            "(each family needs its pipeline layers in trainstack/models/hf.py)"
+            f"{key}={show(model_type)} is not a causal LM transformers builds; allowed: any "
+            f"AutoModelForCausalLM model_type (e.g. llama, qwen2, mistral, mixtral)"
+            + (f"; did you mean {', '.join(hint)}?" if hint else "")
         )
-    return FAMILIES[model_type]
+    fields = {f.name for f in dataclasses.fields(transformers.CONFIG_MAPPING[model_type])}
+    positions = next((k for k in POSITION_KEYS if k in fields), None)
+    if positions is None:
+        raise ConfigError(
+            f"{key}={show(model_type)}: its config names no maximum sequence length "
+            f"({', '.join(POSITION_KEYS)}), which model.block_size is checked against"
+        )
+    dropout = tuple(k for k in DROPOUT_KEYS if k in fields)
+    return HFFamily(positions_key=positions, dropout_keys=dropout, fixed={}, layers=None)
 
 
-def _user_keys(hf: dict[str, Any], config_class: Any) -> dict[str, Any]:
+def _attention(config_class: Any, transformers: Any) -> str:
+    """sdpa where the family's model has it, else eager (a family whose own forward
+    builds its masks may run either; the pipeline-layer families need sdpa)."""
+    if model_type_of(config_class) in FAMILIES:
+        return "sdpa"
+    model_class = transformers.AutoModelForCausalLM._model_mapping[config_class]
+    return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
+
+
+def _user_keys(hf: dict[str, Any], config_class: Any, *, adapted: bool) -> dict[str, Any]:
     """`model.hf` without model_type, under the config class's own names (aliases
-    resolved); ConfigError for a key the class lacks or one trainstack sets."""
+    resolved); ConfigError for a key the class lacks or one trainstack sets. An
+    `attn_implementation` is kept: sdpa for a family with pipeline layers here (`adapted`),
+    sdpa or eager for one that runs its own forward."""
     fields = {f.name for f in dataclasses.fields(config_class)}
     aliases: dict[str, str] = dict(config_class.attribute_map)
     family = config_class.model_type
@@ -292,13 +359,28 @@ def _user_keys(hf: dict[str, Any], config_class: Any) -> dict[str, Any]:
         if key in OWNED_KEYS:
             raise ConfigError(f"model.hf.{key}={show(value)} is set; {OWNED_KEYS[key]}")
         if key == "attn_implementation":
-            if value != "sdpa":
-                raise ConfigError(
-                    f"model.hf.attn_implementation={show(value)} is not supported; allowed: "
+            if value != "sdpa" and (adapted or value != "eager"):
+                allowed = (
                     "sdpa (decoder layers get no mask and rely on its causal mode)"
+                    if adapted
+                    else "sdpa or eager"
                 )
+                raise ConfigError(
+                    f"model.hf.attn_implementation={show(value)} is not supported; "
+                    f"allowed: {allowed}"
+                )
+            keys["attn_implementation"] = value
             continue
-        name = aliases.get(key, key)
+        if key == "experts_implementation":  # a mixture of experts' kernels
+            kernels = ("eager", "batched_mm", "grouped_mm")
+            if value not in kernels:
+                raise ConfigError(
+                    f"model.hf.experts_implementation={show(value)} is not supported; "
+                    f"allowed: {', '.join(kernels)} (eager runs in float64 too)"
+                )
+            keys["experts_implementation"] = value
+            continue
+        name = key if key in fields else aliases.get(key, key)  # a field wins over a stale alias
         if name not in fields:
             declared = vars(config_class).get("__annotations__", {})  # not PreTrainedConfig's
             own = sorted((set(declared) | set(aliases)) - set(OWNED_KEYS))
@@ -345,7 +427,7 @@ def _saved_config(cfg: ModelConfig, *, vocab_size: int, transformers: Any) -> An
         saved = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:
         raise ConfigError(f"{where}: its config.json does not load: {_one_line(e)}") from None
-    _family(saved.model_type, key=f"{where}: model_type")
+    _family(saved.model_type, key=f"{where}: model_type", transformers=transformers)
     wanted = cfg.hf.get("model_type", saved.model_type)
     if wanted != saved.model_type:
         raise ConfigError(

@@ -1,0 +1,90 @@
+"""Hugging Face causal-LM families without pipeline layers in trainstack run their own
+forward and train like any model: tiny random configs (nothing downloaded) of a dense
+GQA model (qwen2), one with norms on queries and keys (olmo2), one with fused
+projections (phi3) and a mixture of experts (mixtral). (Gemma's norms compute in float32
+whatever the weights' precision, so a float64 bound does not hold for it: it is held to
+HF's own forward in tests/unit/test_hf_models.py.)
+DDP on 2 workers = one process in float64; FSDP2 over the family's `_no_split_modules`
+blocks = one process for the dense model and the mixture of experts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trainstack.config import config_from_dict
+from trainstack.models import build_model, repeated_blocks
+from trainstack.runtime.gloo_processes import run_processes
+
+from bounds import FP64_BOUND, assert_trained, max_difference, one_process
+
+STEPS = 6
+WIDTHS = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen2": WIDTHS,
+    "olmo2": WIDTHS,
+    "phi3": WIDTHS,
+    # the eager experts: grouped matmuls take no float64
+    "mixtral": {
+        **WIDTHS,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "experts_implementation": "eager",
+    },
+}
+
+
+def spec(family: str, storage: Path, *, strategy: str = "ddp", workers: int = 1) -> dict[str, Any]:
+    return {
+        "name": f"{family}-{strategy}{workers}",
+        "model": {"kind": "hf", "hf": {"model_type": family, **FAMILIES[family]}, "block_size": 16},
+        "data": {"vocab_size": 16, "order": 1, "eval_samples": 16},
+        "train": {
+            "steps": STEPS,
+            "global_batch_size": 8,
+            "micro_batch_size": 8 // workers,
+            "precision": "fp64",
+        },
+        "optim": {"lr": 1e-2, "warmup_steps": 2, "grad_clip": 1.0},
+        "strategy": {"kind": strategy},
+        "scaling": {"num_workers": workers},
+        "checkpoint": {"every_steps": STEPS, "storage_path": str(storage)},
+        "log": {"every_steps": STEPS},
+    }
+
+
+def weights_after(raw: dict[str, Any], out: Path) -> dict[str, Any]:
+    workers = raw["scaling"]["num_workers"]
+    run_processes(config_from_dict(raw), world_size=workers, out_dir=out)
+    from trainstack import checkpoint as ckpt
+
+    final = ckpt.verify(ckpt.run_dir_for(config_from_dict(raw)) / ckpt.dir_name(STEPS))
+    return final.full_weights()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_ddp_on_two_workers_matches_one_process(family: str, tmp_path: Path) -> None:
+    reference = one_process(spec(family, tmp_path / "one"), tmp_path / "one-out")
+    assert_trained(reference, spec(family, tmp_path / "one"))
+    two = weights_after(spec(family, tmp_path / "two", workers=2), tmp_path / "two-out")
+    assert max_difference(two, reference) < FP64_BOUND
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mixtral"])
+def test_fsdp_over_the_familys_blocks_matches_one_process(family: str, tmp_path: Path) -> None:
+    model = build_model(config_from_dict(spec(family, tmp_path)).model, vocab_size=16, seed=0)
+    blocks = repeated_blocks(model)  # the FSDP units: the decoder layers transformers names
+    assert [type(b).__name__ for b in blocks] == [*model._hf._no_split_modules] * 2  # type: ignore[misc]
+    reference = one_process(spec(family, tmp_path / "one"), tmp_path / "one-out")
+    sharded = weights_after(
+        spec(family, tmp_path / "fsdp", strategy="fsdp", workers=2), tmp_path / "fsdp-out"
+    )
+    assert max_difference(sharded, reference) < FP64_BOUND
