@@ -5,6 +5,7 @@ every mistake is one ConfigError line. Tiny configs, CPU, nothing downloaded."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -393,3 +394,34 @@ def test_a_family_without_pipeline_layers_is_refused_a_pipeline_in_one_line() ->
         "model.hf.model_type=qwen2 runs its own Hugging Face forward, and trainstack has "
         "pipeline layers for gpt2, llama only; use strategy.kind ddp, zero, fsdp or ps for it"
     )
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+def test_a_family_that_runs_its_own_forward_goes_pretrained_in_trained_and_back_out(
+    family: str, tmp_path: Path
+) -> None:
+    cfg = ModelConfig(kind="hf", hf={**OTHERS[family], "model_type": family}, block_size=T)
+    saved = perturbed(build_model(cfg, vocab_size=VOCAB, seed=5))
+    export_pretrained(cfg, vocab_size=VOCAB, weights=saved.state_dict(), directory=tmp_path / "in")
+    pretrained = ModelConfig(kind="hf", pretrained=str(tmp_path / "in"), block_size=T)
+    model = build_model(dataclasses.replace(pretrained, dropout=0.1), vocab_size=VOCAB, seed=9)
+    assert isinstance(model, HFCausalLM) and model.config.attention_dropout == 0.1
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.state_dict().items())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    idx = tokens()
+    for _ in range(3):
+        F.cross_entropy(model(idx)[:, :-1].flatten(0, 1), idx[:, 1:].flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    moved = max(
+        (model.state_dict()[k] - v).abs().max().item() for k, v in saved.state_dict().items()
+    )
+    assert moved > 1e-3  # trained: the round trip below is of new weights
+    export_pretrained(
+        pretrained, vocab_size=VOCAB, weights=model.state_dict(), directory=tmp_path / "out"
+    )
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", local_files_only=True
+    )
+    torch.testing.assert_close(loaded.eval()(idx).logits, model(idx), atol=1e-6, rtol=0)
