@@ -61,6 +61,11 @@ LAYOUTS = {
     "zero3": {"kind": "zero", "stage": 3},
     "fsdp": {"kind": "fsdp"},
 }
+DEEPSPEED: dict[str, dict[str, Any]] = {
+    "zero2-nocontig": {"zero_optimization": {"contiguous_gradients": False}},
+}
+"""Variants: a layout of LAYOUTS (the name before the dash) with raw DeepSpeed keys."""
+LAYOUTS["zero2-nocontig"] = LAYOUTS["zero2"]
 
 
 def token_file(folder: Path, size: Size, *, steps: int) -> Path:
@@ -106,6 +111,7 @@ def through_trainstack(
         },
         "optim": {"lr": 3e-4, "warmup_steps": 1, "weight_decay": 0.1},
         "strategy": LAYOUTS[layout],
+        "deepspeed": DEEPSPEED.get(layout, {}),
         "scaling": {"num_workers": 1, "use_gpu": gpu},
         "checkpoint": {"storage_path": str(out), "every_steps": steps},
         "log": {"every_steps": max(1, steps // 5), "progress": "quiet"},
