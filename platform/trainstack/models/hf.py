@@ -283,7 +283,7 @@ def hf_config(cfg: ModelConfig, *, vocab_size: int) -> Any:
             if isinstance(default, int) and not 0 <= default < vocab_size:
                 start[key] = None
     dropout = dict.fromkeys(family.dropout_keys, cfg.dropout)
-    keys = _user_keys(cfg.hf, config_class, adapted=model_type_of(config_class) in FAMILIES)
+    keys = _user_keys(cfg.hf, config_class, adapted=config_class.model_type in FAMILIES)
     attention = keys.pop("attn_implementation", _attention(config_class, transformers))
     kernels = {k: keys.pop(k) for k in ("experts_implementation",) if k in keys}
     try:
@@ -305,10 +305,6 @@ def _import_transformers() -> Any:
         raise ConfigError(
             f"model.kind=hf needs Hugging Face transformers ({e}); pip install 'trainstack[hf]'"
         ) from None
-
-
-def model_type_of(config_class: Any) -> str:
-    return str(config_class.model_type)
 
 
 def _family(model_type: str, *, key: str, transformers: Any) -> HFFamily:
@@ -338,7 +334,7 @@ def _family(model_type: str, *, key: str, transformers: Any) -> HFFamily:
 def _attention(config_class: Any, transformers: Any) -> str:
     """sdpa where the family's model has it, else eager (a family whose own forward
     builds its masks may run either; the pipeline-layer families need sdpa)."""
-    if model_type_of(config_class) in FAMILIES:
+    if config_class.model_type in FAMILIES:
         return "sdpa"
     model_class = transformers.AutoModelForCausalLM._model_mapping[config_class]
     return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
