@@ -62,6 +62,11 @@ class StrategyKind:
     do not run as a worker group's strategy."""
     model_checks: tuple[str, ...] = ()
     """`module:callable(cfg, model)` pre-flight runs on the built model before Ray starts."""
+    moe: Literal["yes", "no", "without bias"] = "yes"
+    """Trains MoE layers (`model.moe`): yes; no (the aux loss and the expert dispatch do not
+    cross its stages); or with every `balance` but `bias` (moved by the synchronous loop)."""
+    expert_parallel: bool = False
+    """Splits MoE layers' experts over `strategy.expert_parallel` ranks."""
 
     def engine_of(self, cfg: JobConfig) -> str:
         return cfg.strategy.engine if self.engine == "strategy.engine" else self.engine
@@ -84,6 +89,7 @@ KINDS: dict[str, StrategyKind] = {
             dense_hooks=True,
             compresses=True,
             elastic=True,
+            expert_parallel=True,
             plan_layout="trainstack.planner.layouts:ddp_layout",
             build="trainstack.strategies.ddp:DDPStrategy",
         ),
@@ -117,6 +123,7 @@ KINDS: dict[str, StrategyKind] = {
             engine="strategy.engine",
             float64=True,
             ranks="pipeline",
+            moe="no",
             plan_layout="trainstack.planner.layouts:pipeline_layout",
             build="trainstack.strategies:build_pipeline",
             model_checks=("trainstack.strategies.pipeline_split:check_pipeline_model",),
@@ -129,6 +136,7 @@ KINDS: dict[str, StrategyKind] = {
             resumes_other_runs=False,
             compresses=True,
             object_store_checkpoints=False,
+            moe="without bias",
             model_checks=("trainstack.ps.partition:check_shards",),
         ),
         StrategyKind(name="auto", runs_on="plan", engine="torch", float64=False),
@@ -181,6 +189,8 @@ class ModelKind:
     """The `task.kind`s it trains for."""
     spec_check: str = ""
     """`module:callable(model_section)` raising ConfigError for what this kind cannot take."""
+    moe_in_spec: bool = False
+    """Builds mixture-of-experts blocks from `model.moe`."""
 
     def builder(self) -> Any:
         return load(self.build)
@@ -196,6 +206,7 @@ MODEL_KINDS: dict[str, ModelKind] = {
             tensor_parallel=True,
             shape_in_spec=True,
             spec_check="trainstack.config.checks.model_data:check_gpt",
+            moe_in_spec=True,
         ),
         ModelKind(
             name="mlp", build="trainstack.models.mlp:WindowMLP", builtin=True, pipeline_layers=False

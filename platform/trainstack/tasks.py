@@ -10,7 +10,9 @@ A batch is `(inputs, targets)`:
 
 `task.loss: "pkg.mod:fn"` replaces the cross-entropy by `fn(outputs, batch)` (a
 scalar; under a pipeline the last stage calls it with `batch = (None, targets)`).
-Model outputs may be a tensor or anything with a `.logits` tensor (Hugging Face).
+Model outputs may be a tensor or anything with a `.logits` tensor (Hugging Face). An
+output with an `.aux_loss` tensor (a mixture of experts' balance loss, already
+weighted) has it added to the training loss; held-out figures leave it out.
 
 Every strategy and the parameter server evaluate through `evaluate`: each rank sums
 (loss × count, count, correct) over its share of the held-out batches, the strategy
@@ -71,7 +73,16 @@ class Task:
     def loss(
         self, outputs: Any, targets: torch.Tensor, *, inputs: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The mean loss of one micro-batch, the scalar whose gradient is trained on."""
+        """The mean loss of one micro-batch, the scalar whose gradient is trained on: the
+        task's loss plus the outputs' `.aux_loss`, if they carry one."""
+        loss = self.task_loss(outputs, targets, inputs=inputs)
+        aux = getattr(outputs, "aux_loss", None)
+        return loss + aux.to(loss.dtype) if isinstance(aux, torch.Tensor) else loss
+
+    def task_loss(
+        self, outputs: Any, targets: torch.Tensor, *, inputs: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The mean cross-entropy (or `task.loss`) of one micro-batch."""
         if self.user_loss is not None:
             value = self.user_loss(outputs, (inputs, targets))
             if not isinstance(value, torch.Tensor) or value.numel() != 1:
@@ -95,7 +106,7 @@ class Task:
     ) -> torch.Tensor:
         """float64 [loss × count, count, correct] of one held-out micro-batch."""
         count = targets.numel()
-        loss = self.loss(outputs, targets, inputs=inputs).detach().double()
+        loss = self.task_loss(outputs, targets, inputs=inputs).detach().double()
         logits = getattr(outputs, "logits", outputs)
         correct = 0  # a user loss may take outputs that are not logits: no accuracy then
         if isinstance(logits, torch.Tensor) and logits.shape == (*targets.shape, self.num_outputs):

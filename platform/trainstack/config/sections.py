@@ -12,6 +12,30 @@ from trainstack.dims import ParallelDims
 
 
 @dataclass(kw_only=True)
+class MoEConfig:
+    """GPT: mixture-of-experts layers in place of dense MLPs (models/moe.py)."""
+
+    experts: int = 0
+    """Experts per MoE layer (>= 2); 0: every block keeps its dense MLP."""
+    top_k: int = 2
+    """Experts each token is routed to (1 to experts)."""
+    every: int = 1
+    """Every this many blocks is an MoE block (the last of each run of `every`)."""
+    expert_hidden: int = 0
+    """Each expert's hidden width; 0: 4 × n_embd, as the dense MLP."""
+    capacity_factor: float = 0.0
+    """Each expert takes at most ceil(f × tokens × top_k / experts) of a rank's tokens per
+    forward, the rest dropped (counted); 0: no limit, nothing dropped."""
+    balance: str = "aux_loss"
+    """`aux_loss` (Switch/GShard auxiliary loss × aux_weight), `bias` (aux-loss-free:
+    a per-expert routing bias moved toward even loads each step) or `none`."""
+    aux_weight: float = 0.01
+    """balance aux_loss: the auxiliary loss's weight in the training loss (>= 0)."""
+    bias_rate: float = 1e-3
+    """balance bias: how far each step moves an expert's bias (>= 0)."""
+
+
+@dataclass(kw_only=True)
 class ModelConfig:
     kind: str = "gpt"
     """`gpt` (decoder-only transformer), `mlp` (windowed next-token MLP), `custom` (your
@@ -42,6 +66,8 @@ class ModelConfig:
     """MLP only: how many previous tokens each prediction sees."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward pass instead of keeping them."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """GPT: mixture-of-experts blocks (`experts: 0`, the default: none)."""
 
 
 @dataclass(kw_only=True)
@@ -222,6 +248,10 @@ class StrategyConfig:
     replicating them and all-reducing gradients."""
     engine: str = "torch"
     """pipeline: `torch` (torch.distributed.pipelining) or `deepspeed` (its PipelineEngine)."""
+    expert_parallel: int = 1
+    """ddp with MoE layers: ranks P that split each layer's experts (E / P each), tokens
+    sent to their experts' ranks by all-to-all; must divide scaling.num_workers and the
+    experts. 1: every rank holds every expert."""
     num_shards: int = 2
     """ps: parameter-server shard actors (1 to the model's parameter tensors)."""
     consistency: str = "async"

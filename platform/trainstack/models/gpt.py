@@ -7,6 +7,10 @@ embedding. The forward pass is `pipeline_layers()` applied in order: the embeddi
 along the same layers, so there is one GPT forward. The layers hold the model's own
 submodules (`tok_emb`, `pos_emb`, `blocks`, `ln_f`, `lm_head`), so parameter names
 are the model's wherever a layer runs.
+
+With `model.moe.experts` E > 0, every `moe.every`-th block's MLP is a mixture of E
+experts (`models/moe.py`), and the forward returns `MoEOutput(logits, aux_loss)`: the
+logits and the blocks' weighted balance loss, which the task adds to the training loss.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainstack.config import ModelConfig
+from trainstack.models.moe import MoE, MoEOutput, total_aux_loss
 
 
 class CausalSelfAttention(nn.Module):
@@ -64,14 +69,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x)); the MLP is a
+    mixture of experts when `moe`."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, *, moe: bool = False) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = moe_layer(cfg) if moe else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -113,7 +119,9 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(vocab_size, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(
+            Block(cfg, moe=is_moe_block(cfg, i)) for i in range(cfg.n_layer)
+        )
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight  # tied: one tensor, counted once
@@ -121,7 +129,7 @@ class GPT(nn.Module):
         self.apply(_init_weights)
         # Residual projections: std 0.02 / sqrt(2 * n_layer) (GPT-2 paper).
         for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
+            if name.endswith(("c_proj.weight", "mlp.w_out")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     def pipeline_layers(self) -> list[nn.Module]:
@@ -129,11 +137,12 @@ class GPT(nn.Module):
         embedding = GPTEmbedding(tok_emb=self.tok_emb, pos_emb=self.pos_emb, drop=self.drop)
         return [embedding, *self.blocks, GPTHead(ln_f=self.ln_f, lm_head=self.lm_head)]
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor) -> torch.Tensor | MoEOutput:
         x = idx
         for layer in self.pipeline_layers():
             x = layer(x)
-        return x
+        aux = total_aux_loss(self) if self.cfg.moe.experts else None
+        return x if aux is None else MoEOutput(logits=x, aux_loss=aux)
 
     def num_params(self) -> int:
         """Parameters, each tensor counted once (the tied head is the token embedding)."""
@@ -145,11 +154,18 @@ class GPT(nn.Module):
 
         Embeddings (the head is tied to the token embedding) V*d + T*d, each block
         12*d*d + 10*d (ln_1, q/k/v projections without bias, c_proj, ln_2, c_fc, c_proj)
-        in 13 tensors, and ln_f 2*d in 2.
+        in 13 tensors, and ln_f 2*d in 2. An MoE block's MLP (8*d*d + 5*d in 4 tensors)
+        is a router E*d and E experts 2*d*h instead, in 3 tensors.
         """
         d = cfg.n_embd
         numel = (vocab_size + cfg.block_size) * d + cfg.n_layer * (12 * d * d + 10 * d) + 2 * d
-        return numel, 2 + 13 * cfg.n_layer + 2
+        tensors = 2 + 13 * cfg.n_layer + 2
+        moe_blocks = sum(is_moe_block(cfg, i) for i in range(cfg.n_layer))
+        if moe_blocks:
+            e, h = cfg.moe.experts, cfg.moe.expert_hidden or 4 * d
+            numel += moe_blocks * (e * d + 2 * e * d * h - (8 * d * d + 5 * d))
+            tensors -= moe_blocks
+        return numel, tensors
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token, forward + backward (PaLM appendix B, as in nanoGPT).
@@ -157,10 +173,34 @@ class GPT(nn.Module):
         `6 * N + 12 * n_layer * n_embd * block_size`, where N is the parameter count
         without the position embedding (a lookup, no matmul): 6N for the weight matmuls
         (2 forward, 4 backward) and the second term for attention scores and values.
+        An MoE block counts the experts a token is routed to (top_k of them), not all.
         """
         n = self.num_params() - self.pos_emb.weight.numel()
+        for block in self.blocks:
+            if isinstance(block.mlp, MoE):
+                idle = block.mlp.num_experts - block.mlp.top_k
+                n -= idle * (block.mlp.w_in[0].numel() + block.mlp.w_out[0].numel())
         attn = 12 * self.cfg.n_layer * self.cfg.n_embd * self.cfg.block_size
         return 6 * n + attn
+
+
+def is_moe_block(cfg: ModelConfig, index: int) -> bool:
+    """Whether block `index` has MoE experts: the last of each run of `moe.every` blocks."""
+    return cfg.moe.experts > 0 and index % cfg.moe.every == cfg.moe.every - 1
+
+
+def moe_layer(cfg: ModelConfig) -> MoE:
+    m = cfg.moe
+    return MoE(
+        cfg.n_embd,
+        experts=m.experts,
+        top_k=m.top_k,
+        hidden=m.expert_hidden,
+        capacity_factor=m.capacity_factor,
+        balance=m.balance,
+        aux_weight=m.aux_weight,
+        bias_rate=m.bias_rate,
+    )
 
 
 def _init_weights(module: nn.Module) -> None:
