@@ -34,6 +34,7 @@ from trainstack.models.flops import flops_per_token as training_flops_per_token
 from trainstack.observe.prometheus import RunTelemetry
 from trainstack.observe.throughput import ThroughputMeter, device_peak_flops, mfu, peak_memory_bytes
 from trainstack.run_events import FirstStep, Start
+from trainstack.runtime.expert_load import ExpertLoad
 from trainstack.storage import Location
 from trainstack.strategies import Strategy, WorkerContext, build_strategy
 from trainstack.strategies.base import ReportsLayout, StepOutput, weight_dtype
@@ -243,6 +244,7 @@ def train(
         save(start_step, summary)
         return TrainOutcome(summary=summary, strategy=strategy)
 
+    routing = ExpertLoad.of(strategy.unwrapped_model(), device=ctx.device)
     run_start = time.perf_counter()
     train_loss = math.nan
     record: dict[str, Any] = {}
@@ -251,6 +253,8 @@ def train(
         step_start = time.perf_counter()
         out = strategy.train_step(batches.next_step())
         meter.record(time.perf_counter() - step_start)
+        if routing is not None:
+            routing.after_step()  # a collective: every rank calls it
 
         done = step + 1
         if done == start_step + 1 and ctx.rank == 0:
@@ -271,6 +275,7 @@ def train(
                 "peak_mem_bytes": peak_memory_bytes(ctx.device),
                 "elapsed_s": time.perf_counter() - run_start,
                 **_comm_metrics(out),
+                **(routing.metrics() if routing is not None else {}),
             }
             evals = cfg.log.eval_every_steps
             if evals and done % evals == 0 and done < cfg.train.steps:
@@ -312,6 +317,7 @@ def train(
         "train_s": train_s,
         **_comm_metrics(out),
         **(strategy.run_metrics() if isinstance(strategy, ReportsLayout) else {}),
+        **(routing.run_metrics() if routing is not None else {}),
     }
     if isinstance(batches, RayStepBatches):
         summary["rows_consumed"] = batches.cursor.samples_seen  # steps x global batch, once

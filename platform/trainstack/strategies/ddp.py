@@ -3,7 +3,9 @@
 Gradient accumulation skips the all-reduce (`no_sync`) on every micro-batch but the
 last, so one optimizer step costs one all-reduce of the gradients. With a
 `compression:` section, a communication hook sends the compressed gradients instead
-and counts the bytes it really sent.
+and counts the bytes it really sent. With `strategy.expert_parallel` > 1, MoE layers'
+experts are split over expert groups of ranks (`strategies/expert_parallel.py`) and
+kept out of DDP's buckets.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from trainstack.strategies.base import (
     to_device,
     weight_dtype,
 )
+from trainstack.strategies.expert_parallel import ExpertParallel
 from trainstack.strategies.named_optimizer_state import (
     named_parameters,
     optimizer_order,
@@ -54,10 +57,14 @@ class DDPStrategy:
         self._peak_grad_bytes = 0
         self.compression: CompressionState | None = None
         self.task = build_task(cfg)
+        self.experts: ExpertParallel | None = None
+        self._expert_params: list[nn.Parameter] = []
 
     def setup(self, model: nn.Module) -> None:
         model.to(self.ctx.device)
         apply_compile(self.cfg, model)
+        if self.cfg.strategy.expert_parallel > 1:
+            self._split_experts(model)
         if self.ctx.is_distributed:
             device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
             model = DistributedDataParallel(
@@ -80,6 +87,18 @@ class DDPStrategy:
         self.scheduler = build_scheduler(
             self.optimizer, self.cfg.optim, total_steps=self.cfg.train.steps
         )
+
+    def _split_experts(self, model: nn.Module) -> None:
+        """Keep this rank's experts, hidden from DDP (their gradients are reduced apart)."""
+        self.experts = ExpertParallel(
+            size=self.cfg.strategy.expert_parallel,
+            rank=self.ctx.rank,
+            world_size=self.ctx.world_size,
+        )
+        names = self.experts.shard(model)
+        params = dict(model.named_parameters())
+        self._expert_params = [params[name] for name in names]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
 
     def unwrapped_model(self) -> nn.Module:
         if isinstance(self.model, DistributedDataParallel):
@@ -110,7 +129,13 @@ class DDPStrategy:
         max_norm = self.cfg.optim.grad_clip or float("inf")
         if moments_on_ranks(self.cfg, world_size=self.ctx.world_size):
             max_norm = float("inf")  # the hook sent updates, from gradients clipped on each rank
-        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if self.experts is not None:
+            self.experts.reduce_gradients(self._expert_params)
+            expert_ids = {id(p) for p in self._expert_params}
+            dense = [p for p in self.model.parameters() if id(p) not in expert_ids]
+            grad_norm = self.experts.clip_grad_norm(dense, self._expert_params, max_norm)
+        else:
+            grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         lr = float(self.scheduler.get_last_lr()[0])
         self.optimizer.step()
         self.scheduler.step()
@@ -134,8 +159,16 @@ class DDPStrategy:
 
         def forward(x: torch.Tensor) -> Any:
             with autocast(self.cfg, self.ctx.device):
-                return model(x)
+                outputs = model(x)
+            return outputs if len(x) else None  # an empty lockstep batch adds nothing
 
+        if self.experts is not None:  # as many forwards on every rank of an expert group
+            most = self.experts.steps_in_lockstep(len(batches), device=self.ctx.device)
+            if batches:
+                empty = (batches[0][0][:0], batches[0][1][:0])
+                batches = [*batches, *[empty] * (most - len(batches))]
+            elif most:
+                raise RuntimeError("expert parallelism: a rank with no held-out share")
         sums = evaluate(self.task, forward, batches, device=self.ctx.device)
         restore()
         if self.ctx.is_distributed:
@@ -191,9 +224,15 @@ class DDPStrategy:
         assert self.optimizer is not None and self.scheduler is not None, "setup() first"
         assert self.compression is not None, "setup() first"
         files: dict[str, Any] = {}
+        model = self.unwrapped_model()
+        if self.experts is not None:  # whole experts, gathered from each group (collectives)
+            weights = self.experts.full_state_dict(model)
+            optimizer = self.experts.full_optimizer_state(model, self.optimizer)
+        else:
+            weights, optimizer = model.state_dict(), self.optimizer.state_dict()
         if self.ctx.rank == 0:
-            files["model.pt"] = self.unwrapped_model().state_dict()
-            files["optimizer.pt"] = self.optimizer.state_dict()
+            files["model.pt"] = weights
+            files["optimizer.pt"] = optimizer
             files["scheduler.pt"] = self.scheduler.state_dict()
         if self.cfg.compression.kind != "none":
             files[rank_file("compression", self.ctx.rank)] = self.compression.state_dict()
@@ -202,7 +241,10 @@ class DDPStrategy:
     def load_checkpoint(self, checkpoint: Checkpoint) -> list[str]:
         assert self.optimizer is not None and self.scheduler is not None, "setup() first"
         model = self.unwrapped_model()
-        model.load_state_dict(checkpoint.full_weights())
+        weights = checkpoint.full_weights()
+        if self.experts is not None:
+            weights = self.experts.local_state_dict(model, weights)
+        model.load_state_dict(weights)
         notes = self._load_compression(checkpoint)
         if checkpoint.manifest.get("strategy") != self.name:  # another layout's, by name
             return notes + restore_optimizer_by_name(
@@ -212,7 +254,10 @@ class DDPStrategy:
                 named_parameters(model),
                 order=optimizer_order(model, self.cfg.optim),
             )
-        self.optimizer.load_state_dict(checkpoint.load("optimizer.pt"))
+        saved = checkpoint.load("optimizer.pt")
+        if self.experts is not None:
+            saved = self.experts.local_optimizer_state(model, self.optimizer, saved)
+        self.optimizer.load_state_dict(saved)
         self.scheduler.load_state_dict(checkpoint.load("scheduler.pt"))
         return notes
 

@@ -1,0 +1,151 @@
+"""Expert parallelism: each MoE layer's experts split over P ranks, beside data parallelism.
+
+`strategy.expert_parallel: P` cuts the W data-parallel ranks into W / P expert groups of
+P consecutive ranks: rank r holds experts [(r mod P) · E/P, (r mod P + 1) · E/P) of
+every MoE layer (`models/moe.py` sends tokens to them by all-to-all inside its group).
+The ranks holding the same experts (one per group, r mod P alike) are that slice's
+replicas.
+
+Gradients: the dense parameters' are averaged over all W ranks by DDP (the expert
+parameters are hidden from it). An expert parameter's gradient on its rank already sums
+what every token of its group sent it; summed over its replicas and divided by W, it is
+the gradient of the mean loss over all ranks, as the dense parameters' are. The norm a
+step clips by adds each expert slice once (summed over the expert group).
+
+Checkpoints hold whole tensors: each rank's slice is gathered (all ranks take part)
+into the full `[E, ...]` parameter and Adam moments, and a rank loading one takes its
+slice, so a run resumes under any expert-parallel size, or none.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainstack.models.moe import ExpertGroup, expert_slices, moe_layers
+
+
+class ExpertParallel:
+    """The expert and replica groups of this rank, and what crosses them."""
+
+    def __init__(self, *, size: int, rank: int, world_size: int) -> None:
+        assert world_size % size == 0
+        self.world_size = world_size
+        groups = [list(range(g, g + size)) for g in range(0, world_size, size)]
+        replicas = [list(range(i, world_size, size)) for i in range(size)]
+        # Every rank creates every group, in the same order (a collective).
+        expert_groups = [dist.new_group(ranks) for ranks in groups]
+        replica_groups = [dist.new_group(ranks) for ranks in replicas]
+        self.experts = ExpertGroup(group=expert_groups[rank // size], rank=rank % size, size=size)
+        self.replicas = replica_groups[rank % size] if world_size > size else None
+
+    def shard(self, model: nn.Module) -> list[str]:
+        """Keep this rank's experts in every MoE layer of `model`; return the expert
+        parameters' names (for DDP to leave alone)."""
+        layers = moe_layers(model)
+        if not layers:
+            raise RuntimeError(
+                f"strategy.expert_parallel={self.experts.size}: the model has no "
+                "trainstack.models.moe.MoE layer to split"
+            )
+        for layer in layers:
+            layer.hold_experts(self.experts)
+        return list(expert_slices(model))
+
+    def reduce_gradients(self, params: list[nn.Parameter]) -> None:
+        """Sum each expert gradient over its replicas and divide by the world size."""
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if self.replicas is not None:
+                dist.all_reduce(p.grad, group=self.replicas)
+            p.grad.div_(self.world_size)
+
+    def clip_grad_norm(
+        self, dense: list[nn.Parameter], experts: list[nn.Parameter], max_norm: float
+    ) -> torch.Tensor:
+        """`clip_grad_norm_` over the whole model: the expert slices of the group add once."""
+        squares = [p.grad.detach().double().square().sum() for p in dense if p.grad is not None]
+        dense_sq = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
+        expert_sq = torch.zeros((), dtype=torch.float64, device=dense_sq.device)
+        for p in experts:
+            if p.grad is not None:
+                expert_sq = expert_sq + p.grad.detach().double().square().sum()
+        dist.all_reduce(expert_sq, group=self.experts.group)
+        total = (dense_sq + expert_sq).sqrt()
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for p in [*dense, *experts]:
+            if p.grad is not None:
+                p.grad.detach().mul_(coef.to(p.grad))
+        return total
+
+    def _gather(self, local: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(local) for _ in range(self.experts.size)]
+        dist.all_gather(parts, local.contiguous(), group=self.experts.group)
+        return torch.cat(parts)
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """`model.state_dict()` with every expert tensor whole (a collective)."""
+        state = model.state_dict()
+        for key in expert_slices(model):
+            state[key] = self._gather(state[key].detach())
+        return state
+
+    def full_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+        """`optimizer.state_dict()` with every expert parameter's moments whole."""
+        saved = optimizer.state_dict()  # its per-parameter dicts are the live state's
+        for index in self._expert_indices(model, optimizer):
+            if index in saved["state"]:
+                saved["state"][index] = {
+                    name: self._gather(value) if _sliced(value) else value
+                    for name, value in saved["state"][index].items()
+                }
+        return saved
+
+    def local_state_dict(
+        self, model: nn.Module, state: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """This rank's slice of each whole expert tensor in `state`."""
+        local = dict(state)
+        for key, (held, _) in expert_slices(model).items():
+            local[key] = state[key][held.start : held.stop]
+        return local
+
+    def local_optimizer_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, saved: Any
+    ) -> Any:
+        indices = self._expert_indices(model, optimizer)
+        slices = dict(zip(indices, expert_slices(model).values(), strict=True))
+        for index, (held, _) in slices.items():
+            if index in saved["state"]:
+                saved["state"][index] = {
+                    name: value[held.start : held.stop] if _sliced(value) else value
+                    for name, value in saved["state"][index].items()
+                }
+        return saved
+
+    def _expert_indices(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[int]:
+        """The optimizer's index of each expert parameter, in `expert_slices` order."""
+        params = dict(model.named_parameters())
+        order = [p for group in optimizer.param_groups for p in group["params"]]
+        index = {id(p): i for i, p in enumerate(order)}
+        return [index[id(params[key])] for key in expert_slices(model)]
+
+    def a2a_bytes(self, model: nn.Module) -> int:
+        """Bytes this rank has sent to other ranks by all-to-all so far."""
+        return sum(layer.a2a_bytes for layer in moe_layers(model))
+
+    def steps_in_lockstep(self, count: int, *, device: torch.device) -> int:
+        """The most of `count` over the expert group: every rank must run as many forwards
+        (each one's all-to-alls are collectives)."""
+        most = torch.tensor(count, device=device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.experts.group)
+        return int(most)
+
+
+def _sliced(value: object) -> bool:
+    """An optimizer state entry with one slice per expert (a moment; not Adam's step)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0
