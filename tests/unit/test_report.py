@@ -307,3 +307,27 @@ def test_cli_writes_to_reports_run_name_by_default(
 def test_series_pieces_break_where_steps_are_replayed() -> None:
     series = Series(steps=[10, 20, 30, 20, 30, 40], values=[0.0] * 6, times_s=[0.0] * 6)
     assert series.pieces() == [range(0, 3), range(3, 6)]
+
+
+def test_an_moe_run_gets_a_plot_of_each_experts_share_and_the_balance(
+    store: str, runs: Path, tmp_path: Path
+) -> None:
+    tracker = tracked_run(store, runs / "report-moe")
+    for step in range(10, 110, 10):  # expert 0's share falls from 0.55 toward an even 0.25
+        shares = [0.25 + 0.3 * (100 - step) / 90, *[0.25 - 0.1 * (100 - step) / 90] * 3]
+        routing = {f"moe_load_e{i}": share for i, share in enumerate(shares)}
+        routing.update(moe_load_cv=0.4 * (100 - step) / 90, moe_drop_rate=0.01)
+        tracker.log_metrics({**record(step, restarts=0), **routing}, step=step)
+        time.sleep(0.002)
+    tracker.finish({**DDP_SUMMARY, "moe_load_cv": 0.123, "moe_drop_rate": 0.0042}, failed=False)
+    report = write_report(str(tracker.run_id), out_dir=tmp_path, tracking_uri=store)
+    assert png_size(tmp_path / "experts.png") == (1200, 700)
+    assert (tmp_path / "experts.png").stat().st_size > 20_000
+    text = report.read_text()
+    assert "](experts.png)" in text
+    assert "Over the run: load CV 0.123, 0.42% of assignments dropped." in text
+
+
+def test_a_dense_run_has_no_experts_plot(ddp_report: Path) -> None:
+    assert not (ddp_report.parent / "experts.png").exists()
+    assert "experts.png" not in ddp_report.read_text()

@@ -120,6 +120,16 @@ COMPRESSION_RATIO = ExportedSeries(
     kind="gauge",
     description="Dense fp32 gradient bytes over bytes on the wire (1: uncompressed).",
 )
+MOE_LOAD_CV = ExportedSeries(
+    name="trainstack_moe_load_cv",
+    kind="gauge",
+    description="MoE routing balance: coefficient of variation of the experts' loads (0: even).",
+)
+MOE_DROP_RATE = ExportedSeries(
+    name="trainstack_moe_drop_rate",
+    kind="gauge",
+    description="MoE: share of routed assignments dropped by full experts (0-1).",
+)
 CHECKPOINT_SAVE = ExportedSeries(
     name="trainstack_checkpoint_save_seconds",
     kind="gauge",
@@ -165,6 +175,8 @@ SERIES: tuple[ExportedSeries, ...] = (
     PEAK_MEMORY,
     WIRE_BYTES,
     COMPRESSION_RATIO,
+    MOE_LOAD_CV,
+    MOE_DROP_RATE,
     CHECKPOINT_SAVE,
     RESTARTS,
     PS_UPDATES_PER_SECOND,
@@ -317,6 +329,8 @@ class RunTelemetry(_Tagged):
         self._set(PEAK_MEMORY, record["peak_mem_bytes"])
         self._set(WIRE_BYTES, record.get("bytes_on_wire"))
         self._set(COMPRESSION_RATIO, record.get("compression_ratio"))
+        self._set(MOE_LOAD_CV, record.get("moe_load_cv"))
+        self._set(MOE_DROP_RATE, record.get("moe_drop_rate"))
 
     @_best_effort
     def record_checkpoint(self, seconds: float) -> None:

@@ -14,6 +14,7 @@ from trainstack.report.plots import (
     STYLE,
     Plot,
     draw_comm,
+    draw_experts,
     draw_loss,
     draw_memory,
     draw_staleness,
@@ -22,7 +23,14 @@ from trainstack.report.plots import (
 from trainstack.report.runs import MIB, TrackedRun, load_run, mfu_missing
 from trainstack.runtime.progress import bits_per_byte_line
 
-PLOT_FILES = ("loss.png", "throughput.png", "memory.png", "comm.png", "staleness.png")
+PLOT_FILES = (
+    "loss.png",
+    "throughput.png",
+    "memory.png",
+    "comm.png",
+    "staleness.png",
+    "experts.png",
+)
 
 
 # ---- reading the run -------------------------------------------------------------
@@ -51,6 +59,8 @@ def render_report(run: TrackedRun, *, out_dir: Path) -> Path:
     drawers = [draw_loss, draw_throughput, draw_memory, draw_comm]
     if isinstance(run.summary.get("ps"), dict):
         drawers.append(draw_staleness)
+    if "moe_load_e0" in run.series:
+        drawers.append(draw_experts)
     with matplotlib.rc_context(STYLE):
         plots = [draw(run, out_dir) for draw in drawers]
     path = out_dir / "report.md"

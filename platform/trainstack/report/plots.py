@@ -219,6 +219,37 @@ def draw_comm(run: TrackedRun, out_dir: Path) -> Plot:
     return _save(fig, out_dir, "comm.png", title="Communication", note=note)
 
 
+def draw_experts(run: TrackedRun, out_dir: Path) -> Plot:
+    """Each expert's share of the routed tokens over the run, and the balance and drop
+    rate: what a collapsing router or full experts look like."""
+    shares = sorted(
+        (int(name.removeprefix("moe_load_e")), series)
+        for name, series in run.series.items()
+        if name.startswith("moe_load_e")
+    )
+    fig, axes = _new_figure(2, 1, sharex=True)
+    top, bottom = axes[0][0], axes[1][0]
+    for expert, series in shares:
+        _line(top, series, x="step", label=f"expert {expert}")
+    top.axhline(1 / len(shares), color="black", linestyle="--", label="even")
+    top.set(title=f"{run.name}: each expert's share of the routed tokens", ylabel="share")
+    top.legend(loc="upper right", ncols=min(4, len(shares) + 1), fontsize=8)
+    for name, color, label in (
+        ("moe_load_cv", "tab:purple", "load CV (0: even)"),
+        ("moe_drop_rate", "tab:red", "dropped share"),
+    ):
+        if name in run.series:
+            _line(bottom, run.series[name], x="step", color=color, label=label)
+    bottom.set(xlabel="step", ylabel="per log period")
+    bottom.legend(loc="upper right")
+    _mark_restarts(top, run, x="step")
+    cv, dropped = run.summary.get("moe_load_cv"), run.summary.get("moe_drop_rate")
+    note = "Routed assignments per expert, summed over all ranks and MoE layers per log period."
+    if cv is not None and dropped is not None:
+        note += f" Over the run: load CV {cv:.3f}, {100 * dropped:.2f}% of assignments dropped."
+    return _save(fig, out_dir, "experts.png", title="Experts", note=note)
+
+
 def draw_staleness(run: TrackedRun, out_dir: Path) -> Plot:
     ps = run.summary["ps"]
     fig, axes = _new_figure(1, 3)

@@ -49,6 +49,9 @@ class ProgressDisplay:
         )
         if record.get("eval_loss") is not None:  # log.eval_every_steps
             text += f"  held-out {record['eval_loss']:.4f}"
+        if record.get("moe_load_cv") is not None:  # MoE layers: how even, how much dropped
+            text += f"  experts cv {record['moe_load_cv']:.2f}"
+            text += f" dropped {100 * record['moe_drop_rate']:.1f}%"
         if record.get("restarts"):
             text += f"  restarts {record['restarts']}"
         if self.mode == "bar":
