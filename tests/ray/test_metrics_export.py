@@ -52,12 +52,15 @@ def job_spec(storage: str, *, name: str, strategy: dict[str, Any], **extra: Any)
 
 
 def ddp_spec(storage: str) -> dict:
-    return job_spec(
+    # Its block's MLP is 4 experts, two on each rank (tokens cross by all-to-all).
+    spec = job_spec(
         storage,
         name="metrics-ddp",
-        strategy={"kind": "ddp"},
+        strategy={"kind": "ddp", "expert_parallel": 2},
         compression={"kind": "fp16", "min_numel": 256},
     )
+    spec["model"]["moe"] = {"experts": 4, "top_k": 2}
+    return spec
 
 
 def ps_spec(storage: str) -> dict:
@@ -196,6 +199,7 @@ def test_ddp_and_ps_jobs_export_live_metrics_to_prometheus(
                 ("ray_trainstack_loss", ddp, ranks),
                 ("ray_trainstack_tokens_per_second", ddp, ranks),
                 ("ray_trainstack_checkpoint_save_seconds", ddp, ranks),
+                ("ray_trainstack_moe_load_cv", ddp, ranks),
                 ("ray_trainstack_loss", ps, ranks),
                 ("ray_trainstack_comm_exposed_ratio", ps, ranks),
                 ("ray_trainstack_ps_updates_per_second", ps, {"0"}),
@@ -240,6 +244,11 @@ def test_ddp_and_ps_jobs_export_live_metrics_to_prometheus(
     saves = values(samples, "ray_trainstack_checkpoint_save_seconds", **ddp)
     assert all(v > 0 for v in saves.values())
     assert not values(samples, "ray_trainstack_mfu_ratio", **ddp)  # CPU: peak FLOP/s unknown
+    # The routing, summed over both ranks: near even (a collapsed router reads 1.7), none
+    # dropped (no capacity limit).
+    assert all(0 <= v < 0.5 for v in values(samples, "ray_trainstack_moe_load_cv", **ddp).values())
+    assert set(values(samples, "ray_trainstack_moe_drop_rate", **ddp).values()) == {0.0}
+    assert summaries["ddp"]["moe_drop_rate"] == 0.0
 
     # The parameter server: its workers' steps, its shards' pushes, and the restart.
     ps_loss = values(samples, "ray_trainstack_loss", **ps)
