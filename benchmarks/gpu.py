@@ -61,17 +61,22 @@ LAYOUTS = {
     "zero3": {"kind": "zero", "stage": 3},
     "fsdp": {"kind": "fsdp"},
 }
-DEEPSPEED: dict[str, dict[str, Any]] = {
-    "zero2-nocontig": {"zero_optimization": {"contiguous_gradients": False}},
+VARIANTS: dict[str, dict[str, Any]] = {
+    "zero2-nocontig": {"deepspeed": {"zero_optimization": {"contiguous_gradients": False}}},
+    "ddp-fused": {"model": {"fused_loss": True}},
+    "ddp-fused-2x": {"model": {"fused_loss": True}, "micro_batch_scale": 2},
 }
-"""Variants: a layout of LAYOUTS (the name before the dash) with raw DeepSpeed keys."""
-LAYOUTS["zero2-nocontig"] = LAYOUTS["zero2"]
+"""Variants: a layout of LAYOUTS (the name before the dash) with raw DeepSpeed keys, model
+keys (`fused_loss`: the head's cross-entropy without the logits) or a micro-batch that
+many times the size's (the memory the fused loss frees)."""
+for _variant in VARIANTS:
+    LAYOUTS[_variant] = LAYOUTS[_variant.split("-")[0]]
 
 
 def token_file(folder: Path, size: Size, *, steps: int) -> Path:
     """Random ids: enough windows for every step, and a tenth more held out."""
     path = folder / f"tokens_{size.vocab}.bin"
-    count = (steps + 2) * size.micro_batch * (size.block + 1) * 12 // 10 + 1
+    count = (steps + 2) * 2 * size.micro_batch * (size.block + 1) * 12 // 10 + 1  # 2x variants
     rng = np.random.default_rng(0)
     write_token_file(path, rng.integers(0, size.vocab, count, dtype=np.int64))
     return path
@@ -92,26 +97,28 @@ def through_trainstack(
 ) -> dict[str, Any]:
     from trainstack.runtime.launcher import run_job
 
+    variant = VARIANTS.get(layout, {})
+    micro_batch = size.micro_batch * variant.get("micro_batch_scale", 1)
     raw = {
         "name": f"gpu-{layout}",
-        "model": model_config(size),
+        "model": {**model_config(size), **variant.get("model", {})},
         "data": {
             "kind": "tokens",
             "train": [str(tokens)],
             "vocab_size": size.vocab,
             "val_fraction": 0.1,
-            "eval_samples": size.micro_batch,
+            "eval_samples": micro_batch,
         },
         "train": {
             "steps": steps,
-            "global_batch_size": size.micro_batch,
-            "micro_batch_size": size.micro_batch,
+            "global_batch_size": micro_batch,
+            "micro_batch_size": micro_batch,
             "precision": "bf16" if gpu else "fp32",
             "compile": gpu,
         },
         "optim": {"lr": 3e-4, "warmup_steps": 1, "weight_decay": 0.1},
         "strategy": LAYOUTS[layout],
-        "deepspeed": DEEPSPEED.get(layout, {}),
+        "deepspeed": variant.get("deepspeed", {}),
         "scaling": {"num_workers": 1, "use_gpu": gpu},
         "checkpoint": {"storage_path": str(out), "every_steps": steps},
         "log": {"every_steps": max(1, steps // 5), "progress": "quiet"},
@@ -234,7 +241,7 @@ def main() -> None:
                 record(rows[-1], args.jsonl, device=device_name)
     print(f"{device_name}, {time.strftime('%Y-%m-%d')}")
     print(
-        f"{'size':>5}  {'run':<18} {'tokens/s':>12} {'MFU':>6} {'peak mem':>10} {'vs raw':>7} "
+        f"{'size':>5}  {'run':<22} {'tokens/s':>12} {'MFU':>6} {'peak mem':>10} {'vs raw':>7} "
         f"{'first step':>10}"
     )
     for row in rows:
@@ -244,7 +251,7 @@ def main() -> None:
         first = row.get("time_to_first_step_s")
         first_s = f"{first:.1f} s" if first is not None else ""
         print(
-            f"{row['size']:>5}  {row['run']:<18} {row['tokens_per_s']:>12,.0f} {share:>6} "
+            f"{row['size']:>5}  {row['run']:<22} {row['tokens_per_s']:>12,.0f} {share:>6} "
             f"{memory:>10} {ratio:>7} {first_s:>10}"
         )
     if args.json:

@@ -191,6 +191,8 @@ class ModelKind:
     """`module:callable(model_section)` raising ConfigError for what this kind cannot take."""
     moe_in_spec: bool = False
     """Builds mixture-of-experts blocks from `model.moe`."""
+    fused_loss: bool = False
+    """Computes its LM loss from the targets without the logits (`model.fused_loss`)."""
 
     def builder(self) -> Any:
         return load(self.build)
@@ -207,6 +209,7 @@ MODEL_KINDS: dict[str, ModelKind] = {
             shape_in_spec=True,
             spec_check="trainstack.config.checks.model_data:check_gpt",
             moe_in_spec=True,
+            fused_loss=True,
         ),
         ModelKind(
             name="mlp", build="trainstack.models.mlp:WindowMLP", builtin=True, pipeline_layers=False

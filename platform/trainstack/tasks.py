@@ -50,6 +50,14 @@ class Task:
     input_dtype: torch.dtype | None = None
     """What floating-point inputs are cast to (the weights' dtype under `train.precision:
     fp64`); None: as the data gives them."""
+    fused_loss: bool = False
+    """The model computes its own loss from the targets (`model.fused_loss`): training
+    forwards pass them (`outputs`) and the loss is the outputs' `.loss`."""
+
+    def outputs(self, model: Any, inputs: torch.Tensor, targets: torch.Tensor) -> Any:
+        """The model's outputs for a training micro-batch (given the targets too when it
+        computes its own loss)."""
+        return model(inputs, targets=targets) if self.fused_loss else model(inputs)
 
     def logits(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
         """The logits in `outputs`, checked against the task's shape."""
@@ -83,6 +91,9 @@ class Task:
         self, outputs: Any, targets: torch.Tensor, *, inputs: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The mean cross-entropy (or `task.loss`) of one micro-batch."""
+        own = getattr(outputs, "loss", None)
+        if self.fused_loss and isinstance(own, torch.Tensor):  # computed by the model
+            return own
         if self.user_loss is not None:
             value = self.user_loss(outputs, (inputs, targets))
             if not isinstance(value, torch.Tensor) or value.numel() != 1:
@@ -160,6 +171,7 @@ def build_task(cfg: JobConfig) -> Task:
         num_outputs=num_outputs,
         user_loss=user_loss,
         input_dtype=torch.float64 if cfg.train.precision == "fp64" else None,
+        fused_loss=cfg.model.fused_loss,
     )
 
 

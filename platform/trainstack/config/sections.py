@@ -66,6 +66,11 @@ class ModelConfig:
     """MLP only: how many previous tokens each prediction sees."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward pass instead of keeping them."""
+    fused_loss: bool = False
+    """gpt, task lm: the LM head and the cross-entropy computed together, the [B, T, V]
+    logits never held whole (Liger's fused kernel on a GPU where liger-kernel is
+    installed, chunks of the tokens elsewhere): the logits' memory is freed for a larger
+    micro-batch."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """GPT: mixture-of-experts blocks (`experts: 0`, the default: none)."""
 

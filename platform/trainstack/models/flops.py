@@ -51,7 +51,7 @@ def count_training_flops(model: nn.Module, batch: Batch, *, task: Task) -> int:
         torch.random.fork_rng(devices=[]),
         FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FORMULAS) as counter,
     ):
-        loss = task.loss(model(inputs), targets, inputs=inputs)
+        loss = task.loss(task.outputs(model, inputs, targets), targets, inputs=inputs)
         loss.backward()
     for p, grad in saved_grads.items():
         p.grad = grad

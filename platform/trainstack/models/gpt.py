@@ -16,12 +16,14 @@ logits and the blocks' weighted balance loss, which the task adds to the trainin
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from trainstack.config import ModelConfig
+from trainstack.models.linear_ce import LMHead
 from trainstack.models.moe import MoE, MoEOutput, total_aux_loss
 
 
@@ -99,14 +101,23 @@ class GPTEmbedding(nn.Module):
 
 
 class GPTHead(nn.Module):
-    """Final LayerNorm and LM head: [B, T, C] -> logits [B, T, V]."""
+    """Final LayerNorm and LM head: [B, T, C] -> logits [B, T, V], or given the targets
+    [B, T], their mean cross-entropy computed without the logits (`model.fused_loss`)."""
 
-    def __init__(self, *, ln_f: nn.LayerNorm, lm_head: nn.Linear) -> None:
+    def __init__(self, *, ln_f: nn.LayerNorm, lm_head: LMHead) -> None:
         super().__init__()
         self.ln_f, self.lm_head = ln_f, lm_head
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(x))
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        out: torch.Tensor = self.lm_head(self.ln_f(x), targets)
+        return out
+
+
+class LMLoss(NamedTuple):
+    """What the GPT returns given the targets: the cross-entropy, and the MoE aux loss."""
+
+    loss: torch.Tensor
+    aux_loss: torch.Tensor | None
 
 
 class GPT(nn.Module):
@@ -123,7 +134,7 @@ class GPT(nn.Module):
             Block(cfg, moe=is_moe_block(cfg, i)) for i in range(cfg.n_layer)
         )
         self.ln_f = nn.LayerNorm(cfg.n_embd)
-        self.lm_head = nn.Linear(cfg.n_embd, vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.n_embd, vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight  # tied: one tensor, counted once
 
         self.apply(_init_weights)
@@ -137,12 +148,20 @@ class GPT(nn.Module):
         embedding = GPTEmbedding(tok_emb=self.tok_emb, pos_emb=self.pos_emb, drop=self.drop)
         return [embedding, *self.blocks, GPTHead(ln_f=self.ln_f, lm_head=self.lm_head)]
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor | MoEOutput:
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> torch.Tensor | MoEOutput | LMLoss:
+        """Logits `[B, T, V]` (with the MoE blocks' aux loss: `MoEOutput`); given the
+        targets, the loss itself (`LMLoss`), the logits never made whole."""
+        *layers, head = self.pipeline_layers()
         x = idx
-        for layer in self.pipeline_layers():
+        for layer in layers:
             x = layer(x)
+        out = head(x, targets)
         aux = total_aux_loss(self) if self.cfg.moe.experts else None
-        return x if aux is None else MoEOutput(logits=x, aux_loss=aux)
+        if targets is not None:
+            return LMLoss(loss=out, aux_loss=aux)
+        return out if aux is None else MoEOutput(logits=out, aux_loss=aux)
 
     def num_params(self) -> int:
         """Parameters, each tensor counted once (the tied head is the token embedding)."""

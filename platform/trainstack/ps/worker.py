@@ -166,7 +166,7 @@ class ParameterServerWorker:
         for x, y in micro_batches:
             x, y = to_device((x, y), self.device, pin_memory=self.cfg.train.pin_memory)
             with autocast(self.cfg, self.device):
-                loss = self.task.loss(self.model(x), y, inputs=x)
+                loss = self.task.loss(self.task.outputs(self.model, x, y), y, inputs=x)
             (loss / len(micro_batches)).backward()
             total += loss.item()
         return total / len(micro_batches)

@@ -147,7 +147,7 @@ def check_model_runs(cfg: JobConfig, model: nn.Module, *, task: Task, corpus: So
     where = cfg.model.target or cfg.model.kind
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            outputs = model(x)
+            outputs = task.outputs(model, x, y)
     except Exception as e:
         raise ConfigError(
             f"model {where!r} failed on one input of shape {list(x.shape)} "

@@ -121,7 +121,7 @@ class DDPStrategy:
             skip_sync = isinstance(self.model, DistributedDataParallel) and not last
             with self.model.no_sync() if skip_sync else contextlib.nullcontext():  # type: ignore[operator]
                 with autocast(self.cfg, self.ctx.device):
-                    loss = self.task.loss(self.model(x), y, inputs=x)
+                    loss = self.task.loss(self.task.outputs(self.model, x, y), y, inputs=x)
                 (loss / accum).backward()
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             self._peak_grad_bytes = max(self._peak_grad_bytes, storage_bytes(grads))

@@ -173,7 +173,7 @@ class FSDPStrategy:
             if isinstance(self.model, FSDPModule):  # reduce gradients after the last only
                 self.model.set_requires_gradient_sync(i == accum - 1)
             with self._compute_context():
-                loss = self.task.loss(self.model(x), y, inputs=x)
+                loss = self.task.loss(self.task.outputs(self.model, x, y), y, inputs=x)
                 (loss / accum).backward()
             self._peak_grad_bytes = max(self._peak_grad_bytes, self._held_grad_bytes())
             total += local_part(loss.detach())

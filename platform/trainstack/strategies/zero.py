@@ -155,7 +155,7 @@ class ZeROStrategy:
                 pin_memory=self.cfg.train.pin_memory,
                 dtype=self.task.input_dtype,
             )
-            loss = self.task.loss(engine(x), y, inputs=x)
+            loss = self.task.loss(self.task.outputs(engine, x, y), y, inputs=x)
             engine.backward(loss)  # scales by 1/accum; reduces (stage 2, 3) or accumulates
             self._peak_grad_bytes = max(self._peak_grad_bytes, self._held_grad_bytes())
             engine.step()  # optimizer and schedule step on the accumulation boundary only

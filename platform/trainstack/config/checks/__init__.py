@@ -12,7 +12,12 @@ from typing import TYPE_CHECKING
 
 from trainstack.config.checks.allowed import MAX_RESTARTS, PROGRESS_MODES, TRACKING_BACKENDS
 from trainstack.config.checks.common import cap, check_choice, require
-from trainstack.config.checks.model_data import validate_data, validate_model, validate_task
+from trainstack.config.checks.model_data import (
+    validate_data,
+    validate_fused_loss,
+    validate_model,
+    validate_task,
+)
 from trainstack.config.checks.moe import validate_moe
 from trainstack.config.checks.run import (
     validate_checkpoint,
@@ -49,6 +54,7 @@ def validate(cfg: JobConfig) -> None:
     validate_pipeline(cfg)
     validate_parameter_server(cfg)
     validate_moe(cfg)
+    validate_fused_loss(cfg)
     validate_compression(cfg)
     validate_scaling(cfg.scaling)
     validate_checkpoint(cfg.checkpoint)

@@ -30,7 +30,7 @@ from trainstack.config.checks.common import cap, check_choice, next_multiple, re
 from trainstack.errors import ConfigError, show
 from trainstack.kinds import DATA_KINDS as DATA_KIND_TABLE
 from trainstack.kinds import MODEL_KINDS as MODEL_KIND_TABLE
-from trainstack.kinds import kind_of, kinds_that, load
+from trainstack.kinds import kind_of, kinds_that, load, model_kind_of
 
 if TYPE_CHECKING:
     from trainstack.config.sections import (
@@ -112,6 +112,25 @@ def check_import_path(key: str, value: str, *, what: str) -> None:
             f"{key}={show(value)} is not an import path; allowed: 'package.module:attribute' "
             f"naming {what}, e.g. 'my_pkg.models:build'"
         )
+
+
+def validate_fused_loss(cfg: JobConfig) -> None:
+    """`model.fused_loss` needs the whole model's forward to see the targets."""
+    if not cfg.model.fused_loss:
+        return
+    m, s = cfg.model, cfg.strategy
+    why = None
+    if not model_kind_of(cfg).fused_loss:
+        allowed = kinds_that(lambda k: k.fused_loss, table=MODEL_KIND_TABLE)
+        why = f"is for model.kind {allowed}; got {m.kind}"
+    elif cfg.task.kind != "lm" or cfg.task.loss:
+        why = "computes the lm task's cross-entropy; it cannot take task.kind classify or task.loss"
+    elif kind_of(cfg).ranks == "pipeline":
+        why = "needs the targets at the head, which a pipeline's last stage does not pass in"
+    elif s.tensor_parallel > 1:
+        why = "is what strategy.loss_parallel already does under tensor parallelism"
+    if why:
+        raise ConfigError(f"model.fused_loss=true {why}; set model.fused_loss=false")
 
 
 def validate_task(cfg: JobConfig) -> None:
