@@ -9,7 +9,8 @@ the user's model target imports and builds (seeded, as the workers will build it
 the model and the task's loss (so an output of the wrong shape is one line here, not
 a worker traceback), and the layout fits the model (pipeline layers, parameter-server
 shards). trainstack's own models (gpt, mlp) are built on the meta device, for their
-shapes only: no weights are initialised on the driver. Every problem is a `ConfigError`: one line, exit 2, nothing started.
+shapes only: no weights are initialised on the driver. Every problem is a
+`ConfigError`: one line, exit 2, nothing started.
 """
 
 from __future__ import annotations
