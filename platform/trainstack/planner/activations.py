@@ -39,9 +39,12 @@ in fp32 without dropout 16 elements a token and width, as the paper's 34sbh with
 its masks, and no 5as²b. The ends: the embedding keeps the token and position ids (8sb + 8s) and its
 dropout mask (m·sbh); the head keeps ln_f's input and statistics, its output (e·sbh),
 the LM head's weight copy (w·Vh) and cross-entropy's fp32 log-probabilities (4sbV)
-and targets (8sb). Precisions (`FP32`, `AUTOCAST_BF16`, `BF16_WEIGHTS`): fp32 has
-e = r = 4, w = 0; bf16 autocast over fp32 weights (DDP, a pipeline, FSDP without
-sharding) e = 2, r = 4 (embeddings and residual adds stay fp32), w = 2; bf16 weights
+and targets (8sb); with `model.fused_loss`, instead of ln_f's output and all of those,
+the gradients the fused loss computes in the forward: r·sbh for the hidden states and
+the weight's own dtype × Vh for the head's weight (no logits). Precisions (`FP32`,
+`AUTOCAST_BF16`, `BF16_WEIGHTS`): fp32 has e = r = 4, w = 0; bf16 autocast over fp32
+weights (DDP, a pipeline, FSDP without sharding) e = 2, r = 4 (embeddings and residual
+adds stay fp32), w = 2; bf16 weights
 (DeepSpeed ZeRO, FSDP's mixed-precision policy) e = r = 2, w = 0.
 
 **Tensor parallelism** (strategies/tensor_parallel.py, always sequence-parallel for the
@@ -191,6 +194,8 @@ class Precision:
     """r: the residual stream (norm inputs, block inputs, embeddings)."""
     weight_copy_bytes: int
     """w: autocast's low-precision copy of each matmul weight, which the matmul saves."""
+    weight_bytes: int = 4
+    """A weight's own element: 4 (fp32 weights, autocast or not), 2 (bf16 weights), 8."""
 
     @property
     def casts_norm_outputs(self) -> bool:
@@ -201,11 +206,11 @@ class Precision:
 
 
 FP32 = Precision(activation_bytes=4, residual_bytes=4, weight_copy_bytes=0)
-FP64 = Precision(activation_bytes=8, residual_bytes=8, weight_copy_bytes=0)
+FP64 = Precision(activation_bytes=8, residual_bytes=8, weight_copy_bytes=0, weight_bytes=8)
 """`train.precision: fp64` (numerics checks): every activation in float64."""
 AUTOCAST_BF16 = Precision(activation_bytes=2, residual_bytes=4, weight_copy_bytes=2)
 """bf16 autocast over fp32 weights: DDP, pipelines, FSDP without sharding (tp only)."""
-BF16_WEIGHTS = Precision(activation_bytes=2, residual_bytes=2, weight_copy_bytes=0)
+BF16_WEIGHTS = Precision(activation_bytes=2, residual_bytes=2, weight_copy_bytes=0, weight_bytes=2)
 """bf16 weights: DeepSpeed ZeRO's bf16 module, FSDP's mixed-precision policy."""
 
 
@@ -223,6 +228,8 @@ class Architecture:
     """llama: key/value heads (0: as many as the query heads)."""
     ffn_hidden: int = 0
     """llama: the MLP's intermediate size (0: 4h)."""
+    fused_loss: bool = False
+    """gpt: the head's loss computed without the logits (`model.fused_loss`)."""
 
 
 def _mask_bytes(dropped_bytes: int, *, device: Device) -> int:
@@ -368,11 +375,16 @@ def _stage_bytes(
             device=device,
         )
         mask = _mask_bytes(r, device=device) * sbh / t if arch.dropout else 0
+        ln_f = (r * sbh + 2 * r * s * b) / t
+        if arch.fused_loss:  # the gradients it computed in the forward, no logits
+            head = ln_f + r * sbh + precision.weight_bytes * v * h
+        else:
+            head = ln_f + e * sbh + head_ends
         return _StageBytes(
             embedding=ID_BYTES * (s * b + s) + mask,
             layer=layer,
             stored_layer=r * sbh / t,
-            head=(r * sbh + 2 * r * s * b) / t + e * sbh + head_ends,
+            head=head,
             recompute_keeps_input=True,
         )
     layer = llama_layer_bytes(

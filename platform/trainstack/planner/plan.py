@@ -237,6 +237,7 @@ def _activations(
         dropout=w.dropout,
         kv_heads=shape.kv_heads,
         ffn_hidden=shape.ffn_hidden,
+        fused_loss=w.fused_loss,
     )
     return rank_activation_bytes(
         shape,

@@ -65,6 +65,9 @@ class Workload:
     fp32 weights), 8 in fp64."""
     dropout: bool
     """Whether dropout masks are kept (1 byte an element in the activation formulas)."""
+    fused_loss: bool = False
+    """The GPT head's loss without the logits (`model.fused_loss`): no `[B, T, V]` logits
+    kept, so larger micro-batches fit."""
     model: str
     """The model, for messages: `model.kind=gpt (n_layer=2, n_embd=64, n_head=2)`."""
 
@@ -87,6 +90,7 @@ def workload_from_spec(cfg: JobConfig) -> Workload:
         optimizer_bytes=optimizer,
         weight_bytes=weight_bytes,
         dropout=m.dropout > 0,
+        fused_loss=m.fused_loss,
         model=name,
     )
 
