@@ -535,3 +535,22 @@ def test_counts_at_their_ceiling_build() -> None:
         }
     )
     assert cfg.train.steps == 10**9 and cfg.scaling.start_timeout_s == 0
+
+
+@pytest.mark.parametrize(
+    ("strategy", "extra", "words"),
+    [
+        ({"allreduce": "tree"}, {}, "strategy.allreduce='tree' is not one of flat, hierarchical"),
+        ({"kind": "zero", "allreduce": "hierarchical"}, {}, "is for strategy.kind ddp"),
+        (
+            {"allreduce": "auto"},
+            {"compression": {"kind": "fp16"}},
+            "compression hooks run on a flat all-reduce yet",
+        ),
+    ],
+)
+def test_a_node_aware_all_reduce_it_cannot_run_is_refused_in_one_line(
+    strategy: dict, extra: dict, words: str
+) -> None:
+    message = error_of({"strategy": strategy, **extra})
+    assert words in message and "\n" not in message, message

@@ -253,6 +253,10 @@ class StrategyConfig:
     replicating them and all-reducing gradients."""
     engine: str = "torch"
     """pipeline: `torch` (torch.distributed.pipelining) or `deepspeed` (its PipelineEngine)."""
+    allreduce: str = "flat"
+    """ddp: `flat` (DDP's all-reduce over every rank), `hierarchical` (within each node,
+    then one rank per node across nodes, then back: the inter-node link carries one copy
+    per node) or `auto` (hierarchical when the ranks span several nodes and share some)."""
     expert_parallel: int = 1
     """ddp with MoE layers: ranks P that split each layer's experts (E / P each), tokens
     sent to their experts' ranks by all-to-all; must divide scaling.num_workers and the

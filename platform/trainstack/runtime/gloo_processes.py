@@ -44,9 +44,16 @@ def rendezvous(folder: Path) -> str:
 
 
 def run_processes(
-    cfg: JobConfig, *, world_size: int, out_dir: Path, resume_from: Path | None = None
+    cfg: JobConfig,
+    *,
+    world_size: int,
+    out_dir: Path,
+    resume_from: Path | None = None,
+    ranks_per_node: int = 0,
 ) -> dict[str, Any]:
     """Train `cfg` on `world_size` CPU processes; return rank 0's summary.
+    `ranks_per_node` > 0 simulates nodes: ranks [k·n, (k+1)·n) say they share node k
+    (for node-aware collectives); 0: all on one.
 
     Raises if a process dies (e.g. an injected fault); running it again resumes. Raises
     ConfigError for checkpoints in an object store (these processes commit checkpoints
@@ -68,7 +75,7 @@ def run_processes(
         data_fingerprint=report.data_fingerprint,
     )
     init_method = rendezvous(out_dir / ".rendezvous")
-    args = (config_to_dict(cfg), world_size, init_method, str(out_dir), resume_from)
+    args = (config_to_dict(cfg), world_size, init_method, str(out_dir), resume_from, ranks_per_node)
     if world_size == 1 and not cfg.faults.kill_at_steps and not cfg.faults.random_kills:
         _worker(0, *args)  # in-process: no start-up cost for single-process references
     else:
@@ -87,6 +94,7 @@ def _worker(
     init_method: str,
     out_dir: str,
     resume_from: Path | None,
+    ranks_per_node: int,
 ) -> None:
     distributed = world_size > 1
     if distributed:
@@ -104,7 +112,11 @@ def _worker(
         outcome = train(
             cfg,
             WorkerContext(
-                rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu")
+                rank=rank,
+                world_size=world_size,
+                local_rank=rank % ranks_per_node if ranks_per_node else rank,
+                device=torch.device("cpu"),
+                node=f"node-{rank // ranks_per_node}" if ranks_per_node else "local",
             ),
             run_dir=run_dir,
             store=DirectoryCheckpointStore(run_dir, rank=rank, distributed=distributed),

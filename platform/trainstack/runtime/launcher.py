@@ -88,6 +88,7 @@ def _train_worker(loop_config: dict[str, Any]) -> None:
         world_size=context.get_world_size(),
         local_rank=context.get_local_rank(),
         device=ray.train.torch.get_device(),
+        node=ray.get_runtime_context().get_node_id(),
     )
     events: Queue = loop_config["events"]
 

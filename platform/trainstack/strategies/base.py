@@ -32,6 +32,8 @@ class WorkerContext:
     world_size: int
     local_rank: int
     device: torch.device
+    node: str = ""
+    """The machine this rank runs on (Ray's node id); ranks with the same one share it."""
 
     @property
     def is_distributed(self) -> bool:

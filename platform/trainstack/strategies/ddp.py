@@ -37,6 +37,12 @@ from trainstack.strategies.base import (
     weight_dtype,
 )
 from trainstack.strategies.expert_parallel import ExpertParallel
+from trainstack.strategies.hierarchical import (
+    HierarchicalAllReduce,
+    node_groups,
+    nodes_of_ranks,
+    uses_hierarchy,
+)
 from trainstack.strategies.named_optimizer_state import (
     named_parameters,
     optimizer_order,
@@ -58,6 +64,8 @@ class DDPStrategy:
         self.compression: CompressionState | None = None
         self.task = build_task(cfg)
         self.experts: ExpertParallel | None = None
+        self.hierarchy: HierarchicalAllReduce | None = None
+        self._steps = 0  # this run's steps on this rank (resumed: since the resume)
         self._expert_params: list[nn.Parameter] = []
 
     def setup(self, model: nn.Module) -> None:
@@ -73,6 +81,12 @@ class DDPStrategy:
                 bucket_cap_mb=self.cfg.strategy.bucket_cap_mb,
                 gradient_as_bucket_view=self.cfg.strategy.gradient_as_bucket_view,
             )
+        if isinstance(model, DistributedDataParallel):
+            nodes = nodes_of_ranks(self.ctx.node)
+            if uses_hierarchy(self.cfg.strategy.allreduce, nodes):
+                groups = node_groups(nodes, self.ctx.rank)
+                self.hierarchy = HierarchicalAllReduce(groups, world_size=self.ctx.world_size)
+                model.register_comm_hook(None, self.hierarchy.communicate)
         self.compression = register_compression(
             model,
             self.cfg.compression,
@@ -140,6 +154,7 @@ class DDPStrategy:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._steps += 1
         assert self.compression is not None
         stats = self.compression.stats  # what the hook sent in this step's backward
         loss = total / accum
@@ -191,8 +206,10 @@ class DDPStrategy:
         return ring_allreduce_bytes(numel, element_size=element, world_size=self.ctx.world_size)
 
     def layout_notes(self) -> list[str]:
-        """How gradients travel, when compressed."""
+        """How gradients travel, when compressed or reduced node by node."""
         c = self.cfg.compression
+        if self.hierarchy is not None:
+            return [self.hierarchy.describe()]
         if c.kind == "none" or not self.ctx.is_distributed:
             return []
         parts = [f"compression: {c.kind}"]
@@ -205,6 +222,9 @@ class DDPStrategy:
     def run_metrics(self) -> dict[str, Any]:
         """Bytes over the whole run (warm-up included) and the run's compression ratio;
         under `kind: auto`, the link its controller modelled (`compression_link`)."""
+        if self.hierarchy is not None:
+            sent = self.hierarchy.cross_node_bytes / max(1, self._steps)
+            return {"cross_node_bytes_per_step": sent}  # rank 0 leads its node
         if self.compression is None or self.cfg.compression.kind == "none":
             return {}
         total, hook = self.compression.total, self.compression.hook

@@ -66,6 +66,9 @@ PS_CONSISTENCY: tuple[str, ...] = ("async", "ssp", "bsp")
 PS_STALENESS_LR: tuple[str, ...] = ("none", "inverse")
 
 
+ALLREDUCE_MODES: tuple[str, ...] = ("flat", "hierarchical", "auto")
+"""strategy.allreduce: how DDP reduces gradients across nodes."""
+
 MOE_BALANCE: tuple[str, ...] = ("aux_loss", "bias", "none")
 """model.moe.balance: how the experts' loads are kept even."""
 

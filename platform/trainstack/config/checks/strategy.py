@@ -7,6 +7,7 @@ import difflib
 from typing import TYPE_CHECKING
 
 from trainstack.config.checks.allowed import (
+    ALLREDUCE_MODES,
     COMPRESSION_KINDS,
     DEEPSPEED_CONFIG_KEYS,
     DEEPSPEED_DERIVED_KEYS,
@@ -68,6 +69,27 @@ def validate_strategy(cfg: JobConfig) -> None:
         )
     if cfg.deepspeed:
         validate_deepspeed(cfg)
+    validate_allreduce(cfg)
+
+
+def validate_allreduce(cfg: JobConfig) -> None:
+    """`strategy.allreduce` other than flat is a DDP communication hook of its own."""
+    mode = cfg.strategy.allreduce
+    check_choice("strategy.allreduce", mode, ALLREDUCE_MODES)
+    if mode == "flat":
+        return
+    if not kind_of(cfg).dense_hooks:
+        raise ConfigError(
+            f"strategy.allreduce={mode} with strategy.kind={cfg.strategy.kind}: node-aware "
+            f"all-reduce is for strategy.kind {kinds_that(lambda k: k.dense_hooks)}; "
+            "allowed here: flat"
+        )
+    if cfg.compression.kind != "none":
+        raise ConfigError(
+            f"strategy.allreduce={mode} with compression.kind={cfg.compression.kind}: the "
+            "compression hooks run on a flat all-reduce yet; allowed: allreduce flat, or "
+            "compression none"
+        )
 
 
 def validate_pipeline(cfg: JobConfig) -> None:
