@@ -20,14 +20,24 @@ from trainstack.cli import main
 from trainstack.compression.base import CommStats
 from trainstack.compression.lowrank import LowRank
 from trainstack.compression.sparsify import TopK
-from trainstack.config import JobConfig, ModelConfig, ScalingConfig, StrategyConfig, TrainConfig
+from trainstack.config import (
+    JobConfig,
+    ModelConfig,
+    MoEConfig,
+    ScalingConfig,
+    StrategyConfig,
+    TrainConfig,
+    load_config,
+)
 from trainstack.models import build_model
+from trainstack.models.gpt import GPT
 from trainstack.planner.activations import (
     AUTOCAST_BF16,
     BF16_WEIGHTS,
     FP32,
     ActivationDtype,
     Architecture,
+    MoELayers,
     Precision,
     layer_activation_bytes,
     paper_rank_activation_bytes,
@@ -243,6 +253,7 @@ def gpt(layers: int, heads: int, width: int, seq: int, **extra: Any) -> ModelCon
     return ModelConfig(n_layer=layers, n_head=heads, n_embd=width, block_size=seq, **extra)
 
 
+MOE = {"experts": 4, "top_k": 2, "capacity_factor": 1.0}
 LLAMA = MODELS["llama"]["model"]["hf"]  # h 32, 2 layers, 4 heads, 2 key/value heads, i 64
 CHECKPOINTED = {"activation_checkpointing": True}
 MEASURED = {  # name: (model config, vocab, micro-batch, precision)
@@ -255,6 +266,15 @@ MEASURED = {  # name: (model config, vocab, micro-batch, precision)
     "gpt-fp32-fused": (gpt(2, 2, 64, 64, fused_loss=True), 2000, 4, FP32),
     "gpt-autocast-fused": (gpt(2, 8, 128, 128, fused_loss=True), 1000, 2, AUTOCAST_BF16),
     "gpt-bf16-weights-fused": (gpt(2, 4, 64, 32, fused_loss=True), 3000, 8, BF16_WEIGHTS),
+    # MoE blocks: routed rows instead of the MLP's (capacity 1.0 pads each expert to
+    # N·k/E rows, as the formula's even routing does; the rest of every block as it was)
+    "gpt-fp32-moe": (gpt(2, 2, 64, 64, moe=MoEConfig(**MOE)), 128, 4, FP32),
+    "gpt-autocast-moe-every-2": (
+        gpt(4, 4, 64, 32, moe=MoEConfig(**MOE, every=2)),
+        96,
+        4,
+        AUTOCAST_BF16,
+    ),
     "gpt-fp32-checkpointed": (gpt(3, 4, 96, 40, **CHECKPOINTED), 300, 2, FP32),
     "gpt-autocast-dropout-checkpointed": (
         gpt(2, 2, 64, 64, dropout=0.1, **CHECKPOINTED),
@@ -285,7 +305,15 @@ def predicted_activation_bytes(
         shape = TransformerShape(
             layers=cfg.n_layer, hidden=cfg.n_embd, heads=cfg.n_head, seq=cfg.block_size
         )
-        arch = Architecture(vocab=vocab, dropout=cfg.dropout > 0, fused_loss=cfg.fused_loss)
+        m = cfg.moe
+        moe = None
+        if m.experts:
+            blocks = sum(i % m.every == m.every - 1 for i in range(cfg.n_layer))
+            hidden = m.expert_hidden or 4 * cfg.n_embd
+            moe = MoELayers(experts=m.experts, top_k=m.top_k, expert_hidden=hidden, blocks=blocks)
+        arch = Architecture(
+            vocab=vocab, dropout=cfg.dropout > 0, fused_loss=cfg.fused_loss, moe=moe
+        )
     else:
         hf = cfg.hf
         shape = TransformerShape(
@@ -600,3 +628,43 @@ def test_the_fused_loss_frees_the_logits_for_a_larger_micro_batch(
     print({k: (v["micro_batch"], v["recompute"]) for k, v in chosen.items()})
     assert not chosen[True]["recompute"]
     assert chosen[True]["micro_batch"] >= 2 * chosen[False]["micro_batch"]
+
+
+def test_an_moe_model_is_planned_with_its_experts_split_and_its_tokens_sent(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """4 blocks of 4 experts on 4 devices: DDP × ep 2 and × ep 4 join the candidates,
+    each rank holds the dense parameters and 1/ep of the experts, the experts' gradients
+    are all-reduced over their N/ep replicas, and the tokens' all-to-alls are counted."""
+    sets = [
+        "--set",
+        "model.n_layer=4",
+        "--set",
+        "model.moe.experts=4",
+        "--set",
+        "model.moe.top_k=2",
+    ]
+    assert main(["plan", DEMO, "--devices", "4", "--json", *sets]) == 0
+    rows = {row["layout"]: row for row in json.loads(capsys.readouterr().out)}
+    assert {"ddp 4", "ddp 4 × ep 2", "ddp 4 × ep 4"} <= set(rows)
+    assert not any("tp" in name or "pp" in name for name in rows)  # refused with MoE
+    assert rows["ddp 4 × ep 2"]["spec"]["strategy.expert_parallel"] == 2
+    d, experts_params = 64, 4 * 4 * 2 * 64 * 256  # blocks × E × 2·d·h_e
+    cfg = load_config(DEMO, ["model.n_layer=4", "model.moe.experts=4"])
+    psi = GPT.count_parameters(cfg.model, vocab_size=cfg.data.vocab_size)[0]
+    assert rows["ddp 4"]["state_bytes"] == 16 * psi
+    for ep in (2, 4):
+        held = psi - experts_params + experts_params // ep
+        assert rows[f"ddp 4 × ep {ep}"]["state_bytes"] == 16 * held  # fp32 AdamW: 16 bytes
+    tokens = 64 // 4 * 64  # a rank's samples × tokens a step
+    a2a = 4 * tokens * 2 * (2 - 1) * d * 4 * 4 // 2  # 4·T·k·(ep − 1)/ep rows of d, 4 blocks
+    dense = 2 * 3 * 4 * (psi - experts_params) // 4
+    experts = 2 * 1 * 4 * (experts_params // 2) // 2  # over 2 replicas
+    assert rows["ddp 4 × ep 2"]["comm_bytes_per_step"] == dense + experts + a2a
+
+
+def test_the_demo_without_experts_is_offered_no_expert_parallelism(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["plan", DEMO, "--devices", "4", "--json"]) == 0
+    assert not any("ep" in row["layout"].split() for row in json.loads(capsys.readouterr().out))

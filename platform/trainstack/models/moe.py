@@ -131,7 +131,7 @@ class MoE(nn.Module):
 
         rows = self._run_experts(tokens[token_of[keep]], kept_counts)
         weighted = rows * gate_of[keep].unsqueeze(-1).to(rows.dtype)
-        out = torch.zeros_like(tokens).index_add(0, token_of[keep], weighted)
+        out = torch.zeros_like(tokens).index_add(0, token_of[keep], weighted.to(tokens.dtype))
         return out.reshape(shape)
 
     def _aux_loss(self, probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -230,6 +230,33 @@ class Architecture:
     """llama: the MLP's intermediate size (0: 4h)."""
     fused_loss: bool = False
     """gpt: the head's loss computed without the logits (`model.fused_loss`)."""
+    moe: MoELayers | None = None
+    """gpt: its mixture-of-experts blocks (`model.moe`)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoELayers:
+    """The GPT's MoE blocks, for `moe_mlp_bytes`."""
+
+    experts: int
+    top_k: int
+    expert_hidden: int
+    blocks: int
+    """How many of the layers are MoE blocks (the rest keep the dense MLP)."""
+
+
+def moe_mlp_bytes(*, tokens: int, hidden: int, moe: MoELayers, e: int, r: int, w: int) -> float:
+    """What an MoE block's MLP keeps (models/moe.py) in place of the dense MLP's 8e·sbh,
+    for N tokens routed evenly (each expert padded to N·k/E rows): the fp32 router
+    probabilities 4E, the normalised gates and their sum 4k + 4, six int64 index tensors
+    of N·k (top-k, the kept order, two gathers' and the padded batch's two) 48k, the
+    gate copy multiplied in 4k, the padded rows and the experts' output rows 2e·kh, the
+    GELU's input and output 2e·k·h_e, the weighted rows summed back into the residual
+    stream's dtype r·kh, per token; and autocast's copies of the router and expert
+    weights w·(E·h + 2E·h·h_e)."""
+    k, d, he, n = moe.top_k, hidden, moe.expert_hidden, tokens
+    per_token = 4 * moe.experts + 4 + 56 * k + 2 * e * k * (d + he) + r * k * d
+    return n * per_token + w * moe.experts * d * (1 + 2 * he)
 
 
 def _mask_bytes(dropped_bytes: int, *, device: Device) -> int:
@@ -375,6 +402,16 @@ def _stage_bytes(
             device=device,
         )
         mask = _mask_bytes(r, device=device) * sbh / t if arch.dropout else 0
+        if arch.moe is not None:  # MoE blocks keep the experts' tensors, not the MLP's
+            mlp_mask = _mask_bytes(e, device=device) * sbh if arch.dropout else 0
+            dense_mlp = 8 * e * sbh + 8 * h * h * w + mlp_mask
+            routed = (
+                layer
+                - dense_mlp
+                + moe_mlp_bytes(tokens=s * b, hidden=h, moe=arch.moe, e=e, r=r, w=w)
+            )
+            blocks = arch.moe.blocks
+            layer = (layer * (shape.layers - blocks) + routed * blocks) / shape.layers
         ln_f = (r * sbh + 2 * r * s * b) / t
         if arch.fused_loss:  # the gradients it computed in the forward, no logits
             head = ln_f + r * sbh + precision.weight_bytes * v * h

@@ -7,7 +7,11 @@ all-gather). A "pass" below is one reduce-scatter or all-gather of a whole tenso
 (n-1)/n of its bytes. Ψ parameters, e bytes a training-dtype element, A gradient
 accumulation steps (micro-batches a rank runs per step):
 
-- ddp: 2 passes of 4Ψ (one all-reduce of fp32 gradients, at the last micro-batch).
+- ddp: 2 passes of 4Ψ (one all-reduce of fp32 gradients, at the last micro-batch); with
+  expert parallelism ep, the dense 4(Ψ − Ψ_e) over all N and each expert slice's
+  4Ψ_e/ep over its N/ep replicas, plus the tokens' all-to-alls: per MoE block, of the T
+  tokens a rank routes in a step, 4·T·k·(ep − 1)/ep rows of h elements leave the rank
+  (dispatch and combine, forward and backward; even routing).
 - zero-1: 2 passes of eΨ (reduce-scatter gradients, all-gather updated parameters);
   zero-2: A + 1 (a reduce-scatter every micro-batch); zero-3: 3A (an all-gather for
   each forward and backward, a reduce-scatter).
@@ -51,13 +55,15 @@ def all_reduce(nbytes: int, n: int) -> int:
 
 
 def data_parallel_bytes(
-    layout: Layout, *, params: int, element_bytes: int, accumulation: int
+    layout: Layout, *, params: int, element_bytes: int, accumulation: int, expert_params: int = 0
 ) -> int:
     """Bytes per step for the gradients and parameters of `layout` (module docstring);
     tensor parallelism's activations are `tensor_parallel_bytes`."""
     psi, n, e = params, layout.devices, element_bytes
     if layout.kind == "ddp":
-        return all_reduce(FP32_BYTES * psi, n)
+        ep = layout.expert_parallel
+        dense = all_reduce(FP32_BYTES * (psi - expert_params), n)
+        return dense + all_reduce(FP32_BYTES * expert_params // ep, n // ep)
     if layout.kind == "zero":
         passes = {1: 2, 2: accumulation + 1, 3: 3 * accumulation}[layout.stage]
         return passes * ring_pass(e * psi, n)
@@ -70,6 +76,15 @@ def data_parallel_bytes(
     hsdp = all_reduce(FP32_BYTES * psi // (t * s), r)
     norm = sum(all_reduce(NORM_BYTES, d) for d in (s, t))
     return fsdp + hsdp + norm
+
+
+def expert_all_to_all_bytes(
+    *, tokens: int, top_k: int, hidden: int, element_bytes: int, expert_parallel: int, blocks: int
+) -> int:
+    """Bytes a rank sends by all-to-all in a step for `tokens` routed tokens (module
+    docstring): what `MoE.a2a_bytes` counts, with even routing."""
+    ep = expert_parallel
+    return 4 * tokens * top_k * (ep - 1) * hidden * element_bytes * blocks // ep
 
 
 def tensor_parallel_bytes(

@@ -47,6 +47,8 @@ class Layout:
     """pipeline: p stages; the data-parallel degree is N / (p × t)."""
     shard_replicas: bool = False
     """pipeline: each stage FSDP-sharded over its d replicas (in `replicate` groups)."""
+    expert_parallel: int = 1
+    """ddp: ranks that split each MoE block's experts (`strategy.expert_parallel`)."""
 
     @property
     def data_parallel(self) -> int:
@@ -66,7 +68,8 @@ class Layout:
         """How tables name it: `zero-3 + offload optimizer`, `pp 2 × dp 2 × tp 2`."""
         t = self.tensor_parallel
         if self.kind == "ddp":
-            return f"ddp {self.devices}"
+            ep = self.expert_parallel
+            return f"ddp {self.devices}" + (f" × ep {ep}" if ep > 1 else "")
         if self.kind == "zero":
             offload = ["optimizer"] * self.offload_optimizer + ["params"] * self.offload_param
             return f"zero-{self.stage}" + (f" + offload {' + '.join(offload)}" if offload else "")
@@ -97,7 +100,7 @@ class Layout:
         DDP 0, ZeRO by stage, fsdp 3, pipelines 5; offload and tensor parallel add 2."""
         base = {"ddp": 0, "zero": self.stage, "fsdp": 3, "pipeline": 5}[self.kind]
         extra = 2 * (self.offload_optimizer + self.offload_param + (self.tensor_parallel > 1))
-        return base + extra
+        return base + extra + (self.expert_parallel > 1)
 
     def spec_keys(self) -> dict[str, Any]:
         """The job-spec keys that select this layout (`--set` form)."""
@@ -124,6 +127,8 @@ class Layout:
                 keys["strategy.data_parallel_replicate"] = self.replicate
         if self.tensor_parallel > 1:
             keys["strategy.tensor_parallel"] = self.tensor_parallel
+        if self.expert_parallel > 1:
+            keys["strategy.expert_parallel"] = self.expert_parallel
         return keys
 
 
@@ -131,7 +136,9 @@ class Layout:
 
 
 def ddp_layout(cfg: JobConfig) -> Layout:
-    return Layout(kind="ddp", devices=cfg.scaling.num_workers)
+    return Layout(
+        kind="ddp", devices=cfg.scaling.num_workers, expert_parallel=cfg.strategy.expert_parallel
+    )
 
 
 def zero_layout(cfg: JobConfig) -> Layout:
@@ -169,13 +176,18 @@ def pipeline_layout(cfg: JobConfig) -> Layout:
     )
 
 
-def candidate_layouts(devices: int, shape: TransformerShape | None) -> list[Layout]:
+def candidate_layouts(
+    devices: int, shape: TransformerShape | None, *, experts: int = 0
+) -> list[Layout]:
     """Every layout tried on `devices` ranks, simplest first. Tensor parallelism and
-    pipelines need a transformer shape (heads and width to split, layers to cut)."""
+    pipelines need a transformer shape (heads and width to split, layers to cut); DDP ×
+    expert parallelism a model with `experts` per MoE block to split."""
     n = devices
     layouts = [Layout(kind="ddp", devices=n)]
     if n == 1:
         return layouts
+    splits_experts = (ep for ep in DEGREES if n % ep == 0 and experts and experts % ep == 0)
+    layouts += [Layout(kind="ddp", devices=n, expert_parallel=ep) for ep in splits_experts]
     layouts += [Layout(kind="zero", devices=n, stage=stage) for stage in (1, 2, 3)]
     layouts += [
         Layout(kind="zero", devices=n, stage=2, offload_optimizer=True),

@@ -9,6 +9,7 @@ it: `trainstack plan`, `strategy.kind: auto` and pre-flight's capacity check
 | layout | parameters | gradients | optimizer |
 | --- | --- | --- | --- |
 | ddp | 4Ψ | 4Ψ | oΨ |
+| ddp × expert parallel ep (Ψ_e experts) | 4Ψ' | 4Ψ' | oΨ', Ψ' = Ψ − Ψ_e + Ψ_e/ep |
 | zero-1 | eΨ | eΨ | (4 + o)Ψ/N (an fp32 master copy and the state) |
 | zero-2 | eΨ | eΨ/N | (4 + o)Ψ/N |
 | zero-3 | eΨ/N | eΨ/N | (4 + o)Ψ/N |
@@ -53,6 +54,7 @@ def model_state_bytes(
     element_bytes: int,
     optimizer_bytes: int,
     weight_bytes: int = FP32_BYTES,
+    expert_params: int = 0,
 ) -> StateBytes:
     """Bytes of parameters, gradients and optimizer state one rank of `layout` holds
     (the table in the module docstring, whose 4 is `weight_bytes`: 8 when the torch
@@ -72,7 +74,8 @@ def model_state_bytes(
     if layout.kind == "pipeline":
         split = layout.stages * layout.tensor_parallel * layout.shard
         return StateBytes(device=whole // split, host=0)
-    return StateBytes(device=whole, host=0)
+    held = psi - expert_params + expert_params // layout.expert_parallel  # ddp × ep
+    return StateBytes(device=(2 * weight_bytes + o) * held, host=0)
 
 
 def parameter_server_bytes(*, params: int, optimizer_bytes: int) -> tuple[int, int]:

@@ -35,6 +35,7 @@ from trainstack.planner.activations import (
     FP64,
     ActivationDtype,
     Architecture,
+    MoELayers,
     Precision,
     paper_rank_activation_bytes,
     rank_activation_bytes,
@@ -42,6 +43,7 @@ from trainstack.planner.activations import (
 from trainstack.planner.comm import (
     FP32_BYTES,
     data_parallel_bytes,
+    expert_all_to_all_bytes,
     pipeline_activation_bytes,
     tensor_parallel_bytes,
 )
@@ -136,7 +138,8 @@ def make_plan(
     """Estimate every candidate on `hardware` and pick the fastest that fits; settings
     whose spec keys are not `runnable` (the job's spec refuses them) are left out."""
     rows = []
-    for layout in candidate_layouts(hardware.devices, workload.shape):
+    experts = workload.moe.experts if workload.moe else 0
+    for layout in candidate_layouts(hardware.devices, workload.shape, experts=experts):
         settings = [e for e in _settings(workload, layout, hardware) if runnable(e.spec_keys())]
         fitting = [e for e in settings if e.fits]
         if fitting:
@@ -179,16 +182,32 @@ def estimate(
         element_bytes=e,
         optimizer_bytes=w.optimizer_bytes,
         weight_bytes=w.weight_bytes,
+        expert_params=w.moe.expert_params if w.moe else 0,
     )
     activations = _activations(
         w, layout, micro_batch=micro_batch, m=accumulation, recompute=recompute
     )
-    comm = data_parallel_bytes(layout, params=w.params, element_bytes=e, accumulation=accumulation)
+    comm = data_parallel_bytes(
+        layout,
+        params=w.params,
+        element_bytes=e,
+        accumulation=accumulation,
+        expert_params=w.moe.expert_params if w.moe else 0,
+    )
+    if w.moe is not None and layout.expert_parallel > 1 and w.shape is not None:
+        comm += expert_all_to_all_bytes(
+            tokens=w.global_batch // layout.data_parallel * w.tokens_per_sample,
+            top_k=w.moe.top_k,
+            hidden=w.shape.hidden,
+            element_bytes=e,
+            expert_parallel=layout.expert_parallel,
+            blocks=w.moe.blocks,
+        )
     if w.shape is not None:
         comm += _activation_comm(
             w, layout, micro_batch=micro_batch, m=accumulation, recompute=recompute
         )
-    flops = (8 if recompute else 6) * w.params * w.global_batch * w.tokens_per_sample
+    flops = (8 if recompute else 6) * w.active_params * w.global_batch * w.tokens_per_sample
     compute_s = flops / (hardware.devices * hardware.peak_flops * hardware.efficiency)
     if layout.kind == "pipeline":
         compute_s *= (accumulation + layout.stages - 1) / accumulation
@@ -238,6 +257,14 @@ def _activations(
         kv_heads=shape.kv_heads,
         ffn_hidden=shape.ffn_hidden,
         fused_loss=w.fused_loss,
+        moe=MoELayers(
+            experts=w.moe.experts,
+            top_k=w.moe.top_k,
+            expert_hidden=w.moe.expert_hidden,
+            blocks=w.moe.blocks,
+        )
+        if w.moe
+        else None,
     )
     return rank_activation_bytes(
         shape,

@@ -38,6 +38,27 @@ class TransformerShape:
     """The MLP's inner width (0: 4h)."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class ExpertShape:
+    """A mixture of experts, as the plan counts it (`model.moe`)."""
+
+    experts: int
+    """E: experts per MoE block."""
+    top_k: int
+    """k: experts a token is routed to."""
+    blocks: int
+    """MoE blocks in the model."""
+    expert_params: int
+    """Ψ_e: the parameters of every expert of every MoE block (part of Ψ)."""
+    expert_hidden: int
+    """Each expert's hidden width."""
+
+    @property
+    def idle_params(self) -> int:
+        """Expert parameters a token does not use: (E − k)/E of Ψ_e."""
+        return self.expert_params * (self.experts - self.top_k) // self.experts
+
+
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp64": 8}
 """`train.precision` -> bytes of a training-dtype element."""
 
@@ -68,6 +89,14 @@ class Workload:
     fused_loss: bool = False
     """The GPT head's loss without the logits (`model.fused_loss`): no `[B, T, V]` logits
     kept, so larger micro-batches fit."""
+    moe: ExpertShape | None = None
+    """The model's mixture of experts, if it has one."""
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a token's forward uses: all but the experts it is not routed to."""
+        return self.params - (self.moe.idle_params if self.moe else 0)
+
     model: str
     """The model, for messages: `model.kind=gpt (n_layer=2, n_embd=64, n_head=2)`."""
 
@@ -91,6 +120,7 @@ def workload_from_spec(cfg: JobConfig) -> Workload:
         weight_bytes=weight_bytes,
         dropout=m.dropout > 0,
         fused_loss=m.fused_loss,
+        moe=expert_shape(cfg),
         model=name,
     )
 
@@ -136,6 +166,24 @@ def parameter_count(cfg: JobConfig) -> int:
             f"raised {describe_exception(e)}"
         ) from None
     return num_params(model)
+
+
+def expert_shape(cfg: JobConfig) -> ExpertShape | None:
+    """`model.moe`'s experts (trainstack's GPT), or None."""
+    m = cfg.model
+    if not m.moe.experts or not MODEL_KINDS[m.kind].moe_in_spec:
+        return None
+    from trainstack.models.gpt import is_moe_block
+
+    blocks = sum(is_moe_block(m, i) for i in range(m.n_layer))
+    hidden = m.moe.expert_hidden or 4 * m.n_embd
+    return ExpertShape(
+        experts=m.moe.experts,
+        top_k=m.moe.top_k,
+        blocks=blocks,
+        expert_params=blocks * m.moe.experts * 2 * m.n_embd * hidden,
+        expert_hidden=hidden,
+    )
 
 
 def transformer_shape(cfg: JobConfig) -> TransformerShape | None:

@@ -33,8 +33,8 @@ from trainstack.kinds import kind_of, model_kind_of
 from trainstack.machine import local_cpus, local_gpus, local_memory_bytes
 from trainstack.planner.choose import layout_of
 from trainstack.planner.memory import model_state_bytes, parameter_server_bytes
+from trainstack.planner.workload import expert_shape, state_element_bytes
 from trainstack.planner.workload import parameter_count as planned_parameter_count
-from trainstack.planner.workload import state_element_bytes
 from trainstack.units import format_bytes
 
 
@@ -75,12 +75,14 @@ def model_state(cfg: JobConfig, params: int) -> ModelState:
         per_worker, elsewhere = parameter_server_bytes(params=params, optimizer_bytes=optimizer)
         on_device = per_worker
     else:
+        moe = expert_shape(cfg)
         state = model_state_bytes(
             layout,
             params=params,
             element_bytes=element,
             optimizer_bytes=optimizer,
             weight_bytes=weight,
+            expert_params=moe.expert_params if moe else 0,
         )
         per_worker, on_device, elsewhere = state.total, state.device, 0
     optim = "AdamW" if cfg.optim.kind == "adamw" else "SGD momentum"
