@@ -8,9 +8,9 @@ the user's model target imports and builds (seeded, as the workers will build it
 `task.loss` imports, one micro-batch of the job's data goes through
 the model and the task's loss (so an output of the wrong shape is one line here, not
 a worker traceback), and the layout fits the model (pipeline layers, parameter-server
-shards). trainstack's own models (gpt, mlp) are built on the meta device, for their
-shapes only: no weights are initialised on the driver. Every problem is a
-`ConfigError`: one line, exit 2, nothing started.
+shards). trainstack's own models (gpt, mlp) past `META_BUILD_PARAMS` parameters are
+built on the meta device, for their shapes only: no weights are initialised on the
+driver. Every problem is a `ConfigError`: one line, exit 2, nothing started.
 """
 
 from __future__ import annotations
@@ -31,9 +31,13 @@ from trainstack.data.paths import resolve_data
 from trainstack.errors import first_line, show
 from trainstack.kinds import data_kind_of, kind_of, model_kind_of
 from trainstack.models import block_classes, build_model, num_params
+from trainstack.planner.workload import parameter_count
 from trainstack.storage import OPTION_SCHEMES, StorePath, is_store_uri, open_location
 from trainstack.tasks import Task, TaskOutputError, build_task
 from trainstack.user_code import describe_exception
+
+META_BUILD_PARAMS = 50_000_000
+"""Above this many parameters a built-in model is checked on the meta device."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,10 +60,12 @@ def preflight(cfg: JobConfig) -> PreflightReport:
     cfg = resolve_data(cfg)
     corpus = check_data(cfg)
     task = build_task(cfg)
-    if model_kind_of(cfg).builtin:  # trainstack's own: its shapes, on the meta device
-        with torch.device("meta"):  # (a 1.3B GPT: 1 s, not 16 s of initialising weights)
+    if model_kind_of(cfg).builtin and parameter_count(cfg) > META_BUILD_PARAMS:
+        # trainstack's own, large: its shapes only, on the meta device (a 1.3B GPT: 1 s,
+        # not 16 s of initialising weights; the meta device's first use costs 0.8 s)
+        with torch.device("meta"):
             model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.train.seed)
-    else:  # yours: built and run on one sample of the job's data
+    else:  # built and run on one sample of the job's data
         model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.train.seed)
         check_model_runs(cfg, model, task=task, corpus=corpus)
     if cfg.train.compile and not block_classes(model, class_names=cfg.model.checkpoint_modules):
