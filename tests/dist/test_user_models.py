@@ -147,18 +147,20 @@ def test_llama_resumes_bitwise_after_a_killed_worker(runs: dict[str, Run], tmp_p
         assert torch.equal(resumed.weights[name], value), name
 
 
+@pytest.mark.parametrize("trained_by", ["llama-ddp1", "llama-zero2"])
 def test_export_hf_dir_loads_in_transformers_with_the_trained_logits(
-    runs: dict[str, Run], tmp_path: Path
+    runs: dict[str, Run], tmp_path: Path, trained_by: str
 ) -> None:
-    """`trainstack export RUN --out model.pt --hf-dir DIR` of the trained Llama: the folder
-    `AutoModelForCausalLM.from_pretrained` loads gives the trained model's logits (not
-    the untrained one's)."""
+    """`trainstack export RUN --out model.pt --hf-dir DIR` of the trained Llama, from one
+    DDP process's checkpoint and from ZeRO-3's (its parameters partitioned over 2 ranks):
+    the folder `AutoModelForCausalLM.from_pretrained` loads gives the trained model's
+    logits (not the untrained one's)."""
     from transformers import AutoModelForCausalLM
 
     from trainstack.cli import main
     from trainstack.models import build_model
 
-    run = runs["llama-ddp1"]
+    run = runs[trained_by]
     cfg = config_from_dict(run.raw)
     final = ckpt.run_dir_for(cfg) / ckpt.dir_name(STEPS)
     out, hf_dir = tmp_path / "model.pt", tmp_path / "hf"
