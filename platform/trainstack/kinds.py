@@ -92,6 +92,7 @@ KINDS: dict[str, StrategyKind] = {
             expert_parallel=True,
             plan_layout="trainstack.planner.layouts:ddp_layout",
             build="trainstack.strategies.ddp:DDPStrategy",
+            model_checks=("trainstack.strategies.expert_parallel:check_expert_split",),
         ),
         StrategyKind(
             name="zero",

@@ -87,3 +87,20 @@ def test_fsdp_over_the_familys_blocks_matches_one_process(family: str, tmp_path:
         spec(family, tmp_path / "fsdp", strategy="fsdp", workers=2), tmp_path / "fsdp-out"
     )
     assert max_difference(sharded, reference) < FP64_BOUND
+
+
+def test_mixtrals_experts_split_over_two_ranks_train_what_one_process_trains(
+    tmp_path: Path,
+) -> None:
+    """`strategy.expert_parallel: 2` on Mixtral's stacked experts: each rank keeps 2 of
+    the 4 (its `MixtralExperts` parameters sliced), tokens go to their experts' rank by
+    all-to-all and run through Mixtral's own expert forward there; the checkpoint holds
+    all 4 again."""
+    reference = one_process(spec("mixtral", tmp_path / "one"), tmp_path / "one-out")
+    raw = spec("mixtral", tmp_path / "ep", workers=2)
+    raw["strategy"]["expert_parallel"] = 2
+    split = weights_after(raw, tmp_path / "ep-out")
+    assert split["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4
+    diff = max_difference(split, reference)
+    print(f"mixtral ep2 vs one process: {diff:.3g}")
+    assert diff < FP64_BOUND

@@ -193,3 +193,35 @@ def test_a_custom_model_is_told_to_build_the_layer_itself() -> None:
     raw["model"].update(kind="custom", target="user_models.tiny:Tiny")
     with pytest.raises(ConfigError, match=r"trainstack\.models\.moe\.MoE in its own module"):
         config_from_dict(raw)
+
+
+def test_pre_flight_refuses_an_expert_split_the_model_cannot_take(tmp_path: Any) -> None:
+    """A Hugging Face MoE family's experts are counted on the built model: 4 experts do
+    not split 8 ways, and a dense family has none to split."""
+    from trainstack.runtime.preflight import preflight
+
+    def hf(family: dict[str, Any]) -> dict[str, Any]:
+        widths = {
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+        }
+        return {
+            "model": {"kind": "hf", "hf": {**widths, **family}, "block_size": 8},
+            "data": {"vocab_size": 16},
+            "strategy": {
+                "kind": "ddp",
+                "expert_parallel": 8 if "num_local_experts" in family else 2,
+            },
+            "scaling": {"num_workers": 8 if "num_local_experts" in family else 2},
+            "train": {"global_batch_size": 8, "micro_batch_size": 1},
+            "checkpoint": {"storage_path": str(tmp_path)},
+        }
+
+    mixtral = {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
+    with pytest.raises(ConfigError, match=r"must divide every MoE layer's experts; .* of 4"):
+        preflight(config_from_dict(hf(mixtral)))
+    with pytest.raises(ConfigError, match="has no experts to split"):
+        preflight(config_from_dict(hf({"model_type": "qwen2"})))

@@ -35,8 +35,9 @@ an object whose `.logits` are the logits and `.aux_loss` the sum of the layers'
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -163,20 +164,10 @@ class MoE(nn.Module):
     def _run_on_owners(
         self, rows: torch.Tensor, counts: torch.Tensor, ep: ExpertGroup
     ) -> torch.Tensor:
-        """Send the rows to the ranks that hold their experts, run them, bring them back."""
-        per_rank = len(self.local_experts)
-        send = counts.view(ep.size, per_rank)  # rows for each rank's each expert
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=ep.group)
-        send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        arrived = _AllToAll.apply(rows, recv_splits, send_splits, ep, self)
-        # Arrived by sender, then expert: regroup by expert, run, restore the order.
-        expert_ids = torch.arange(per_rank, device=rows.device).repeat(ep.size)
-        regroup = torch.sort(torch.repeat_interleave(expert_ids, recv.flatten()), stable=True)
-        done = grouped_mlp(arrived[regroup.indices], recv.sum(0), self.w_in, self.w_out)
-        back = done[torch.argsort(regroup.indices)]
-        result: torch.Tensor = _AllToAll.apply(back, send_splits, recv_splits, ep, self)
-        return result
+        def compute(grouped: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
+            return grouped_mlp(grouped, local_counts, self.w_in, self.w_out)
+
+        return run_on_owners(rows, counts, ep, compute, counter=self)
 
     def hold_experts(self, ep: ExpertGroup) -> None:
         """Keep only this rank's E / P experts (call before the optimizer is built)."""
@@ -191,6 +182,119 @@ class MoE(nn.Module):
 
 EXPERT_PARAMETERS = ("w_in", "w_out")
 """The `MoE` parameters with one slice per expert along dim 0."""
+
+
+class SendsRows(Protocol):
+    a2a_bytes: int
+
+
+def run_on_owners(
+    rows: torch.Tensor,
+    counts: torch.Tensor,
+    ep: ExpertGroup,
+    compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    counter: SendsRows,
+) -> torch.Tensor:
+    """Send `rows` (grouped by expert, `counts` [E] each) to the ranks that hold their
+    experts, have `compute(rows, per-local-expert counts)` run the ones that came here
+    (grouped by this rank's experts), and bring the results back in `rows`' order."""
+    per_rank = counts.shape[0] // ep.size
+    send = counts.view(ep.size, per_rank)  # rows for each rank's each expert
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=ep.group)
+    send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+    arrived = _AllToAll.apply(rows, recv_splits, send_splits, ep, counter)
+    # Arrived by sender, then expert: regroup by expert, run, restore the order.
+    expert_ids = torch.arange(per_rank, device=rows.device).repeat(ep.size)
+    regroup = torch.sort(torch.repeat_interleave(expert_ids, recv.flatten()), stable=True)
+    done = compute(arrived[regroup.indices], recv.sum(0))
+    back = done[torch.argsort(regroup.indices)]
+    result: torch.Tensor = _AllToAll.apply(back, send_splits, recv_splits, ep, counter)
+    return result
+
+
+class StackedExperts:
+    """Expert parallelism for a module that holds its E experts as stacked `[E, ...]`
+    parameters and is called as `experts(hidden [N, h], top_k_index [N, k],
+    top_k_weights [N, k]) -> [N, h]` (the Hugging Face MoE families' `...Experts`).
+
+    Keeps this rank's E / P slices of those parameters, and replaces the module's
+    forward: each routed (token, expert) pair goes to the expert's rank, which runs the
+    module's own forward on the pairs that came to it (weights 1, local expert ids); the
+    results come back, are weighted by the router's weights here, and summed per token.
+    """
+
+    def __init__(self, module: nn.Module, ep: ExpertGroup) -> None:
+        total = int(vars(module)["num_experts"])
+        if total % ep.size:
+            raise RuntimeError(
+                f"strategy.expert_parallel={ep.size} must divide {type(module).__name__}'s "
+                f"{total} experts"
+            )
+        per_rank = total // ep.size
+        self.num_experts, self.expert_group = total, ep
+        self.local_experts = range(ep.rank * per_rank, (ep.rank + 1) * per_rank)
+        self.parameters = stacked_parameters(module)
+        for name in self.parameters:
+            whole = getattr(module, name).detach()
+            setattr(
+                module,
+                name,
+                nn.Parameter(whole[self.local_experts.start : self.local_experts.stop].clone()),
+            )
+        self.a2a_bytes = 0
+        self._own_forward = module.forward
+        # An instance's attributes (not nn.Module state): the module now holds per_rank
+        # experts, runs this forward, and says it was split.
+        object.__setattr__(module, "num_experts", per_rank)
+        object.__setattr__(module, "forward", self.forward)
+        object.__setattr__(module, "trainstack_split", self)
+
+    def forward(
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        n, k = top_k_index.shape
+        expert_of = top_k_index.t().reshape(-1)
+        token_of = torch.arange(n, device=hidden.device).repeat(k)
+        order = torch.sort(expert_of, stable=True).indices
+        counts = torch.bincount(expert_of, minlength=self.num_experts)
+        per_rank = len(self.local_experts)
+
+        def compute(rows: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
+            if rows.shape[0] == 0:  # none here; kept in the graph for the backward all-to-alls
+                return rows * 0
+            experts = torch.arange(per_rank, device=rows.device)
+            local = torch.repeat_interleave(experts, local_counts).unsqueeze(1)
+            out: torch.Tensor = self._own_forward(rows, local, rows.new_ones(rows.shape[0], 1))
+            return out
+
+        rows = run_on_owners(
+            hidden[token_of[order]], counts, self.expert_group, compute, counter=self
+        )
+        gates = top_k_weights.t().reshape(-1)[order].unsqueeze(-1).to(rows.dtype)
+        return torch.zeros_like(hidden).index_add(
+            0, token_of[order], (rows * gates).to(hidden.dtype)
+        )
+
+
+def stacked_parameters(module: nn.Module) -> list[str]:
+    """The names of `module`'s own parameters stacked one slice per expert (dim 0)."""
+    total = getattr(module, "num_experts", None)
+    return [
+        name
+        for name, p in module.named_parameters(recurse=False)
+        if isinstance(total, int) and p.dim() >= 2 and p.shape[0] == total
+    ]
+
+
+def stacked_experts_modules(model: nn.Module) -> list[nn.Module]:
+    """`model`'s modules that hold stacked experts (a Hugging Face `...Experts`)."""
+    return [
+        m
+        for m in model.modules()
+        if type(m).__name__.endswith("Experts") and not isinstance(m, MoE) and stacked_parameters(m)
+    ]
 
 
 def grouped_mlp(
@@ -221,7 +325,7 @@ class _AllToAll(torch.autograd.Function):
         recv_splits: list[int],
         send_splits: list[int],
         ep: ExpertGroup,
-        layer: MoE,
+        layer: SendsRows,
     ) -> torch.Tensor:
         ctx.splits, ctx.ep, ctx.layer = (recv_splits, send_splits), ep, layer
         return _exchange(rows, recv_splits, send_splits, ep, layer)
@@ -234,7 +338,11 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _exchange(
-    rows: torch.Tensor, recv_splits: list[int], send_splits: list[int], ep: ExpertGroup, layer: MoE
+    rows: torch.Tensor,
+    recv_splits: list[int],
+    send_splits: list[int],
+    ep: ExpertGroup,
+    layer: SendsRows,
 ) -> torch.Tensor:
     out = rows.new_empty(sum(recv_splits), *rows.shape[1:])
     dist.all_to_all_single(out, rows, recv_splits, send_splits, group=ep.group)
@@ -258,10 +366,16 @@ def expert_slices(model: nn.Module) -> dict[str, tuple[range, int]]:
     parameter in `model`."""
     found: dict[str, tuple[range, int]] = {}
     for name, module in model.named_modules():
+        split = getattr(module, "trainstack_split", None)
+        params: tuple[str, ...]
         if isinstance(module, MoE):
-            for param in EXPERT_PARAMETERS:
-                key = f"{name}.{param}" if name else param
-                found[key] = (module.local_experts, module.num_experts)
+            params, held, total = EXPERT_PARAMETERS, module.local_experts, module.num_experts
+        elif isinstance(split, StackedExperts):
+            params, held, total = tuple(split.parameters), split.local_experts, split.num_experts
+        else:
+            continue
+        for param in params:
+            found[f"{name}.{param}" if name else param] = (held, total)
     return found
 
 

@@ -1,5 +1,8 @@
 """Expert parallelism: each MoE layer's experts split over P ranks, beside data parallelism.
 
+The layers split are trainstack's `MoE` and the stacked experts of a Hugging Face MoE
+family (`StackedExperts`: Mixtral's, Qwen-MoE's `...Experts` modules).
+
 `strategy.expert_parallel: P` cuts the W data-parallel ranks into W / P expert groups of
 P consecutive ranks: rank r holds experts [(r mod P) · E/P, (r mod P + 1) · E/P) of
 every MoE layer (`models/moe.py` sends tokens to them by all-to-all inside its group).
@@ -25,7 +28,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainstack.models.moe import ExpertGroup, expert_slices, moe_layers
+from trainstack.config import ConfigError, JobConfig
+from trainstack.models.moe import (
+    ExpertGroup,
+    StackedExperts,
+    expert_slices,
+    moe_layers,
+    stacked_experts_modules,
+)
 
 
 class ExpertParallel:
@@ -45,14 +55,16 @@ class ExpertParallel:
     def shard(self, model: nn.Module) -> list[str]:
         """Keep this rank's experts in every MoE layer of `model`; return the expert
         parameters' names (for DDP to leave alone)."""
-        layers = moe_layers(model)
-        if not layers:
+        layers, stacked = moe_layers(model), stacked_experts_modules(model)
+        if not layers and not stacked:
             raise RuntimeError(
-                f"strategy.expert_parallel={self.experts.size}: the model has no "
-                "trainstack.models.moe.MoE layer to split"
+                f"strategy.expert_parallel={self.experts.size}: the model has no experts to "
+                "split (a trainstack.models.moe.MoE layer, or a Hugging Face MoE family's)"
             )
         for layer in layers:
             layer.hold_experts(self.experts)
+        for module in stacked:
+            StackedExperts(module, self.experts)
         return list(expert_slices(model))
 
     def reduce_gradients(self, params: list[nn.Parameter]) -> None:
@@ -149,3 +161,25 @@ class ExpertParallel:
 def _sliced(value: object) -> bool:
     """An optimizer state entry with one slice per expert (a moment; not Adam's step)."""
     return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+def check_expert_split(cfg: JobConfig, model: nn.Module) -> None:
+    """Pre-flight for `strategy.expert_parallel` > 1: the model has experts to split, and
+    the expert-parallel size divides each layer's count."""
+    size = cfg.strategy.expert_parallel
+    if size == 1:
+        return
+    counts = [layer.num_experts for layer in moe_layers(model)]
+    counts += [int(vars(m)["num_experts"]) for m in stacked_experts_modules(model)]
+    if not counts:
+        raise ConfigError(
+            f"strategy.expert_parallel={size}: {type(model).__name__} has no experts to split "
+            "(a trainstack.models.moe.MoE layer, or a Hugging Face MoE family's); set "
+            "expert_parallel to 1"
+        )
+    uneven = sorted({c for c in counts if c % size})
+    if uneven:
+        raise ConfigError(
+            f"strategy.expert_parallel={size} must divide every MoE layer's experts; "
+            f"{type(model).__name__} has layers of {uneven[0]}; allowed: a divisor of it"
+        )
