@@ -33,12 +33,15 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2": WIDTHS,
     "olmo2": WIDTHS,
     "phi3": WIDTHS,
-    # the eager experts: grouped matmuls take no float64
+    # the eager experts: grouped matmuls take no float64; its balance loss in the training
+    # loss (output_router_logits), so every layout below is held to it too
     "mixtral": {
         **WIDTHS,
         "num_local_experts": 4,
         "num_experts_per_tok": 2,
         "experts_implementation": "eager",
+        "output_router_logits": True,
+        "router_aux_loss_coef": 0.05,
     },
 }
 
@@ -51,7 +54,8 @@ def spec(family: str, storage: Path, *, strategy: str = "ddp", workers: int = 1)
         "train": {
             "steps": STEPS,
             "global_batch_size": 8,
-            "micro_batch_size": 8 // workers,
+            # the same micro-batches of 4 on 1 or 2 workers: a balance loss is per micro-batch
+            "micro_batch_size": 4,
             "precision": "fp64",
         },
         "optim": {"lr": 1e-2, "warmup_steps": 2, "grad_clip": 1.0},

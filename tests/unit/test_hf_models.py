@@ -378,6 +378,30 @@ def test_a_family_without_pipeline_layers_runs_its_own_forward(family: str) -> N
         assert model.config._attn_implementation == "eager"
 
 
+def test_an_moe_family_asked_for_its_router_logits_adds_its_weighted_balance_loss() -> None:
+    """qwen3_moe with `output_router_logits`: the model returns its load-balancing loss
+    times `router_aux_loss_coef` (what HF's own forward adds to its loss given labels),
+    and the task's training loss is the cross-entropy plus that; without it, logits."""
+    from trainstack.tasks import Task
+
+    hf = {**OTHERS["qwen3_moe"], "model_type": "qwen3_moe"}
+    plain = build_model(ModelConfig(kind="hf", hf=hf, block_size=T), vocab_size=VOCAB, seed=0)
+    assert isinstance(plain(tokens()), torch.Tensor)
+    hf |= {"output_router_logits": True, "router_aux_loss_coef": 0.05}
+    model = build_model(ModelConfig(kind="hf", hf=hf, block_size=T), vocab_size=VOCAB, seed=0)
+    assert isinstance(model, HFCausalLM)
+    twin = hf_twin(model)
+    idx = tokens()
+    out = model(idx)
+    theirs = twin(idx)
+    assert float(theirs.aux_loss.detach()) > 0.5  # Switch's loss: about 1 when even, here E·Σ f·P
+    torch.testing.assert_close(out.aux_loss, 0.05 * theirs.aux_loss, atol=1e-7, rtol=0)
+    targets = tokens()
+    task = Task(kind="lm", num_outputs=VOCAB)
+    ce = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+    torch.testing.assert_close(task.loss(out, targets), ce + 0.05 * theirs.aux_loss)
+
+
 def test_a_family_without_pipeline_layers_is_refused_a_pipeline_in_one_line() -> None:
     raw = {
         "model": {"kind": "hf", "hf": {**OTHERS["qwen2"], "model_type": "qwen2"}, "block_size": T},

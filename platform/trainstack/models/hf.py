@@ -43,6 +43,7 @@ from torch import nn
 
 from trainstack.config import ConfigError, ModelConfig
 from trainstack.errors import show
+from trainstack.models.moe import MoEOutput
 
 # ---- the families' pipeline layers: each only references the HF model's modules ---------
 
@@ -213,9 +214,18 @@ class HFCausalLM(nn.Module):
         self._kept_layers = layers
         return list(layers)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor) -> torch.Tensor | MoEOutput:
+        """Logits; a mixture-of-experts family configured with `output_router_logits`
+        also returns its load-balancing loss times its `router_aux_loss_coef`, the
+        weight its own forward gives it (`MoEOutput`: the task adds it to the loss)."""
         if self.family not in FAMILIES:
-            logits: torch.Tensor = self.__dict__["_hf"](input_ids=idx, use_cache=False).logits
+            hf = self.__dict__["_hf"]
+            out = hf(input_ids=idx, use_cache=False)
+            aux = getattr(out, "aux_loss", None)
+            if isinstance(aux, torch.Tensor):
+                weight = getattr(hf.config, "router_aux_loss_coef", 1.0)
+                return MoEOutput(logits=out.logits, aux_loss=weight * aux)
+            logits: torch.Tensor = out.logits
             return logits
         x = idx
         for layer in self.pipeline_layers():
