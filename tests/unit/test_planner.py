@@ -30,7 +30,7 @@ from trainstack.config import (
     load_config,
 )
 from trainstack.models import build_model
-from trainstack.models.gpt import GPT
+from trainstack.models.gpt import GPT, expert_hidden, moe_blocks
 from trainstack.planner.activations import (
     AUTOCAST_BF16,
     BF16_WEIGHTS,
@@ -308,9 +308,12 @@ def predicted_activation_bytes(
         m = cfg.moe
         moe = None
         if m.experts:
-            blocks = sum(i % m.every == m.every - 1 for i in range(cfg.n_layer))
-            hidden = m.expert_hidden or 4 * cfg.n_embd
-            moe = MoELayers(experts=m.experts, top_k=m.top_k, expert_hidden=hidden, blocks=blocks)
+            moe = MoELayers(
+                experts=m.experts,
+                top_k=m.top_k,
+                expert_hidden=expert_hidden(cfg),
+                blocks=moe_blocks(cfg),
+            )
         arch = Architecture(
             vocab=vocab, dropout=cfg.dropout > 0, fused_loss=cfg.fused_loss, moe=moe
         )

@@ -179,11 +179,11 @@ class GPT(nn.Module):
         d = cfg.n_embd
         numel = (vocab_size + cfg.block_size) * d + cfg.n_layer * (12 * d * d + 10 * d) + 2 * d
         tensors = 2 + 13 * cfg.n_layer + 2
-        moe_blocks = sum(is_moe_block(cfg, i) for i in range(cfg.n_layer))
-        if moe_blocks:
-            e, h = cfg.moe.experts, cfg.moe.expert_hidden or 4 * d
-            numel += moe_blocks * (e * d + 2 * e * d * h - (8 * d * d + 5 * d))
-            tensors -= moe_blocks
+        blocks = moe_blocks(cfg)
+        if blocks:
+            e, h = cfg.moe.experts, expert_hidden(cfg)
+            numel += blocks * (e * d + 2 * e * d * h - (8 * d * d + 5 * d))
+            tensors -= blocks
         return numel, tensors
 
     def flops_per_token(self) -> int:
@@ -208,13 +208,23 @@ def is_moe_block(cfg: ModelConfig, index: int) -> bool:
     return cfg.moe.experts > 0 and index % cfg.moe.every == cfg.moe.every - 1
 
 
+def moe_blocks(cfg: ModelConfig) -> int:
+    """How many of the GPT's blocks have MoE experts."""
+    return sum(is_moe_block(cfg, i) for i in range(cfg.n_layer))
+
+
+def expert_hidden(cfg: ModelConfig) -> int:
+    """Each expert's hidden width: `moe.expert_hidden`, else the dense MLP's 4 × n_embd."""
+    return cfg.moe.expert_hidden or 4 * cfg.n_embd
+
+
 def moe_layer(cfg: ModelConfig) -> MoE:
     m = cfg.moe
     return MoE(
         cfg.n_embd,
         experts=m.experts,
         top_k=m.top_k,
-        hidden=m.expert_hidden,
+        hidden=expert_hidden(cfg),
         capacity_factor=m.capacity_factor,
         balance=m.balance,
         aux_weight=m.aux_weight,

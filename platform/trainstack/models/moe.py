@@ -131,9 +131,7 @@ class MoE(nn.Module):
         self.aux_loss = self._aux_loss(probs, counts)
 
         rows = self._run_experts(tokens[token_of[keep]], kept_counts)
-        weighted = rows * gate_of[keep].unsqueeze(-1).to(rows.dtype)
-        out = torch.zeros_like(tokens).index_add(0, token_of[keep], weighted.to(tokens.dtype))
-        return out.reshape(shape)
+        return sum_per_token(tokens, token_of[keep], rows, gate_of[keep]).reshape(shape)
 
     def _aux_loss(self, probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         if self.balance != "aux_loss" or probs.shape[0] == 0:
@@ -156,32 +154,48 @@ class MoE(nn.Module):
         return load
 
     def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Each expert's MLP on its rows (`rows` grouped by expert, `counts` [E] each)."""
+        """Each expert's MLP on its rows (`rows` grouped by expert, `counts` [E] each), on
+        this rank or, with expert parallelism, on the ranks that hold the experts."""
+
+        def compute(grouped: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
+            return grouped_mlp(grouped, per_expert, self.w_in, self.w_out)
+
         if self.expert_group is None:
-            return grouped_mlp(rows, counts, self.w_in, self.w_out)
-        return self._run_on_owners(rows, counts, self.expert_group)
-
-    def _run_on_owners(
-        self, rows: torch.Tensor, counts: torch.Tensor, ep: ExpertGroup
-    ) -> torch.Tensor:
-        def compute(grouped: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
-            return grouped_mlp(grouped, local_counts, self.w_in, self.w_out)
-
-        return run_on_owners(rows, counts, ep, compute, counter=self)
+            return compute(rows, counts)
+        return run_on_owners(rows, counts, self.expert_group, compute, counter=self)
 
     def hold_experts(self, ep: ExpertGroup) -> None:
         """Keep only this rank's E / P experts (call before the optimizer is built)."""
         assert self.num_experts % ep.size == 0, "the group size must divide the experts"
-        per_rank = self.num_experts // ep.size
-        self.local_experts = range(ep.rank * per_rank, (ep.rank + 1) * per_rank)
-        lo, hi = self.local_experts.start, self.local_experts.stop
-        self.w_in = nn.Parameter(self.w_in.detach()[lo:hi].clone())
-        self.w_out = nn.Parameter(self.w_out.detach()[lo:hi].clone())
+        self.local_experts = held_experts(self.num_experts, ep)
+        keep_held(self, EXPERT_PARAMETERS, self.local_experts)
         self.expert_group = ep
 
 
 EXPERT_PARAMETERS = ("w_in", "w_out")
 """The `MoE` parameters with one slice per expert along dim 0."""
+
+
+def held_experts(total: int, ep: ExpertGroup) -> range:
+    """The experts of `total` that rank `ep.rank` of the group holds: its E / P in a row."""
+    per_rank = total // ep.size
+    return range(ep.rank * per_rank, (ep.rank + 1) * per_rank)
+
+
+def keep_held(module: nn.Module, names: tuple[str, ...], held: range) -> None:
+    """Replace each of `module`'s stacked expert parameters by its `held` slices."""
+    for name in names:
+        whole = getattr(module, name).detach()
+        setattr(module, name, nn.Parameter(whole[held.start : held.stop].clone()))
+
+
+def sum_per_token(
+    tokens: torch.Tensor, token_index: torch.Tensor, rows: torch.Tensor, gates: torch.Tensor
+) -> torch.Tensor:
+    """Each token's expert outputs `rows` (one per routed pair, `token_index` its token)
+    weighted by `gates` and summed, in the tokens' dtype; zero for a token with none."""
+    weighted = rows * gates.unsqueeze(-1).to(rows.dtype)
+    return torch.zeros_like(tokens).index_add(0, token_index, weighted.to(tokens.dtype))
 
 
 class SendsRows(Protocol):
@@ -234,15 +248,9 @@ class StackedExperts:
             )
         per_rank = total // ep.size
         self.num_experts, self.expert_group = total, ep
-        self.local_experts = range(ep.rank * per_rank, (ep.rank + 1) * per_rank)
+        self.local_experts = held_experts(total, ep)
         self.parameters = stacked_parameters(module)
-        for name in self.parameters:
-            whole = getattr(module, name).detach()
-            setattr(
-                module,
-                name,
-                nn.Parameter(whole[self.local_experts.start : self.local_experts.stop].clone()),
-            )
+        keep_held(module, tuple(self.parameters), self.local_experts)
         self.a2a_bytes = 0
         self._own_forward = module.forward
         # An instance's attributes (not nn.Module state): the module now holds per_rank
@@ -272,10 +280,7 @@ class StackedExperts:
         rows = run_on_owners(
             hidden[token_of[order]], counts, self.expert_group, compute, counter=self
         )
-        gates = top_k_weights.t().reshape(-1)[order].unsqueeze(-1).to(rows.dtype)
-        return torch.zeros_like(hidden).index_add(
-            0, token_of[order], (rows * gates).to(hidden.dtype)
-        )
+        return sum_per_token(hidden, token_of[order], rows, top_k_weights.t().reshape(-1)[order])
 
 
 def stacked_parameters(module: nn.Module) -> list[str]:

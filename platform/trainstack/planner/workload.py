@@ -173,10 +173,9 @@ def expert_shape(cfg: JobConfig) -> ExpertShape | None:
     m = cfg.model
     if not m.moe.experts or not MODEL_KINDS[m.kind].moe_in_spec:
         return None
-    from trainstack.models.gpt import is_moe_block
+    from trainstack.models.gpt import expert_hidden, moe_blocks
 
-    blocks = sum(is_moe_block(m, i) for i in range(m.n_layer))
-    hidden = m.moe.expert_hidden or 4 * m.n_embd
+    blocks, hidden = moe_blocks(m), expert_hidden(m)
     return ExpertShape(
         experts=m.moe.experts,
         top_k=m.moe.top_k,

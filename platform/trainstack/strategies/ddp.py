@@ -67,6 +67,7 @@ class DDPStrategy:
         self.hierarchy: HierarchicalAllReduce | None = None
         self._steps = 0  # this run's steps on this rank (resumed: since the resume)
         self._expert_params: list[nn.Parameter] = []
+        self._dense_params: list[nn.Parameter] = []
 
     def setup(self, model: nn.Module) -> None:
         model.to(self.ctx.device)
@@ -81,8 +82,8 @@ class DDPStrategy:
                 bucket_cap_mb=self.cfg.strategy.bucket_cap_mb,
                 gradient_as_bucket_view=self.cfg.strategy.gradient_as_bucket_view,
             )
-        if isinstance(model, DistributedDataParallel):
-            nodes = nodes_of_ranks(self.ctx.node)
+        if isinstance(model, DistributedDataParallel) and self.cfg.strategy.allreduce != "flat":
+            nodes = nodes_of_ranks(self.ctx.node)  # a collective, only when it may matter
             if uses_hierarchy(self.cfg.strategy.allreduce, nodes):
                 groups = node_groups(nodes, self.ctx.rank)
                 self.hierarchy = HierarchicalAllReduce(groups, world_size=self.ctx.world_size)
@@ -112,6 +113,8 @@ class DDPStrategy:
         names = self.experts.shard(model)
         params = dict(model.named_parameters())
         self._expert_params = [params[name] for name in names]
+        experts = set(names)
+        self._dense_params = [p for name, p in params.items() if name not in experts]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
 
     def unwrapped_model(self) -> nn.Module:
@@ -145,9 +148,9 @@ class DDPStrategy:
             max_norm = float("inf")  # the hook sent updates, from gradients clipped on each rank
         if self.experts is not None:
             self.experts.reduce_gradients(self._expert_params)
-            expert_ids = {id(p) for p in self._expert_params}
-            dense = [p for p in self.model.parameters() if id(p) not in expert_ids]
-            grad_norm = self.experts.clip_grad_norm(dense, self._expert_params, max_norm)
+            grad_norm = self.experts.clip_grad_norm(
+                self._dense_params, self._expert_params, max_norm
+            )
         else:
             grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         lr = float(self.scheduler.get_last_lr()[0])

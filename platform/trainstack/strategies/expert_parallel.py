@@ -22,6 +22,7 @@ slice, so a run resumes under any expert-parallel size, or none.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -108,14 +109,8 @@ class ExpertParallel:
 
     def full_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
         """`optimizer.state_dict()` with every expert parameter's moments whole."""
-        saved = optimizer.state_dict()  # its per-parameter dicts are the live state's
-        for index in self._expert_indices(model, optimizer):
-            if index in saved["state"]:
-                saved["state"][index] = {
-                    name: self._gather(value) if _sliced(value) else value
-                    for name, value in saved["state"][index].items()
-                }
-        return saved
+        saved = optimizer.state_dict()
+        return self._map_moments(model, optimizer, saved, lambda moment, _: self._gather(moment))
 
     def local_state_dict(
         self, model: nn.Module, state: dict[str, torch.Tensor]
@@ -129,26 +124,32 @@ class ExpertParallel:
     def local_optimizer_state(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, saved: Any
     ) -> Any:
-        indices = self._expert_indices(model, optimizer)
-        slices = dict(zip(indices, expert_slices(model).values(), strict=True))
-        for index, (held, _) in slices.items():
-            if index in saved["state"]:
-                saved["state"][index] = {
-                    name: value[held.start : held.stop] if _sliced(value) else value
-                    for name, value in saved["state"][index].items()
-                }
-        return saved
+        """This rank's slice of each expert parameter's whole moments in `saved`."""
+        return self._map_moments(
+            model, optimizer, saved, lambda moment, held: moment[held.start : held.stop]
+        )
 
-    def _expert_indices(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[int]:
-        """The optimizer's index of each expert parameter, in `expert_slices` order."""
+    def _map_moments(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        saved: Any,
+        change: Callable[[torch.Tensor, range], torch.Tensor],
+    ) -> Any:
+        """`saved` (an optimizer state dict) with `change(moment, held experts)` applied
+        to each expert parameter's per-expert moments; its per-parameter dicts are new
+        (an `optimizer.state_dict()`'s are the live state's)."""
         params = dict(model.named_parameters())
         order = [p for group in optimizer.param_groups for p in group["params"]]
         index = {id(p): i for i, p in enumerate(order)}
-        return [index[id(params[key])] for key in expert_slices(model)]
-
-    def a2a_bytes(self, model: nn.Module) -> int:
-        """Bytes this rank has sent to other ranks by all-to-all so far."""
-        return sum(layer.a2a_bytes for layer in moe_layers(model))
+        for key, (held, _) in expert_slices(model).items():
+            state = saved["state"].get(index[id(params[key])])
+            if state is not None:
+                saved["state"][index[id(params[key])]] = {
+                    name: change(value, held) if _sliced(value) else value
+                    for name, value in state.items()
+                }
+        return saved
 
     def steps_in_lockstep(self, count: int, *, device: torch.device) -> int:
         """The most of `count` over the expert group: every rank must run as many forwards
