@@ -178,6 +178,8 @@ def test_the_command_writes_a_manifest_that_validates(
             "s3://bucket/p.zip",
             "--storage",
             "s3://bucket/runs",
+            "--secret",
+            "aws-credentials",
             "--out",
             str(out),
             "--set",
@@ -185,8 +187,10 @@ def test_the_command_writes_a_manifest_that_validates(
         ]
     )
     assert code == 0
-    manifest = yaml.safe_load(out.read_text())
+    text = out.read_text()
+    manifest = yaml.safe_load(text)
     validate(manifest, rayjob_schema)
+    assert "&" not in text and "*id" not in text  # plain YAML: no anchors or aliases
     assert (
         "--set train.steps=100 --set checkpoint.storage_path=s3://bucket/runs"
         in (manifest["spec"]["entrypoint"])

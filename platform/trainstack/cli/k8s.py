@@ -29,6 +29,7 @@ deletes the cluster when the job ends. The manifest `rayjob_manifest` writes:
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import re
 import sys
@@ -151,7 +152,7 @@ def _pod(
         "resources": {"limits": resources, "requests": dict(resources)},
     }
     if env:
-        spec["envFrom"] = env
+        spec["envFrom"] = copy.deepcopy(env)  # each pod its own: no YAML anchors, aliases
     return {"spec": {"containers": [spec]}}
 
 
