@@ -35,9 +35,18 @@ max(4, N) CPUs, one per worker, one torch thread each), the shards, the clock bo
 and the driver time-slice 2 cores, so throughput is CPU-bound and a straggler's sleep
 hands its core to the others.
 
+With `--two-level` it instead runs a simulated cluster of 2 training nodes × 2
+workers and a service node holding the shards (`ray.cluster_utils.Cluster`, on this
+machine's cores), each of async, ssp s=2 and bsp flat (workers push to the shards),
+through a local server per node sending every worker step (`sync_every` 1), and for
+async and ssp every 4 steps, and reports the bytes the global shards move per step
+(pushes in, pulls out: `ps.global_bytes_per_step`), updates/s, samples/s, the loss at
+the budget and the end-to-end clock lag.
+
     python benchmarks/parameter_server.py
     python benchmarks/parameter_server.py --budget 20 --json ps.json
     python benchmarks/parameter_server.py --workers 8 --shards 4 --no-peer-straggler
+    python benchmarks/parameter_server.py --two-level --budget 15
 """
 
 from __future__ import annotations
@@ -450,6 +459,78 @@ def goals(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+TWO_LEVEL: list[tuple[str, str, int, str, int]] = [
+    # label, consistency, staleness bound, local_servers, sync_every
+    ("async flat", "async", 0, "none", 1),
+    ("async per node, sync 1", "async", 0, "per_node", 1),
+    ("async per node, sync 4", "async", 0, "per_node", 4),
+    ("ssp s=2 flat", "ssp", 2, "none", 1),
+    ("ssp s=2 per node, sync 1", "ssp", 2, "per_node", 1),
+    ("ssp s=2 per node, sync 4", "ssp", 2, "per_node", 4),
+    ("bsp flat", "bsp", 0, "none", 1),
+    ("bsp per node", "bsp", 0, "per_node", 1),
+]
+
+
+def two_level(args: argparse.Namespace) -> None:
+    """Flat against local servers per node on a simulated 2 nodes × 2 workers."""
+    from ray.cluster_utils import Cluster
+
+    node = "bench_worker_node"
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    for _ in range(2):
+        cluster.add_node(num_cpus=2, resources={node: 2})
+    cluster.add_node(num_cpus=2)  # the shards' (one CPU each), where no worker trains
+    ray.init(address=cluster.address, log_to_driver=False)
+    rows = []
+    try:
+        for label, consistency, bound, local, every in TWO_LEVEL:
+            with tempfile.TemporaryDirectory(prefix="trainstack-psbench-") as storage:
+                raw = spec(
+                    storage,
+                    workers=4,
+                    shards=args.shards,
+                    consistency=consistency,
+                    bound=bound,
+                    straggler=False,
+                    batch=args.batch,
+                )
+                raw["strategy"].update(local_servers=local, sync_every=every)
+                raw["scaling"]["resources_per_worker"] = {node: 1}
+                summary = run_parameter_server(config_from_dict(raw), time_budget_s=args.budget)
+            ps = summary["ps"]
+            row = {
+                "mode": label,
+                "global_bytes_per_step": ps["global_bytes_per_step"],
+                "updates_per_s": ps["updates_per_s"],
+                "samples_per_s": summary["samples_per_s"],
+                "loss": summary["final_loss"],
+                "clock_lag_max": ps["clock_lag_max"],
+                "params": summary["params"],
+            }
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    print(
+        f"\n2 nodes × 2 workers, {args.shards} shards on a service node, global batch "
+        f"{args.batch}, budget {args.budget:g} s per run, {rows[0]['params']:,} parameters "
+        f"({rows[0]['params'] * 4:,} bytes in fp32)\n"
+    )
+    print("| run | global-shard bytes / step | updates/s | samples/s | loss | clock lag max |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['mode']} | {r['global_bytes_per_step']:,.0f} | {r['updates_per_s']:.1f} "
+            f"| {r['samples_per_s']:.0f} | {r['loss']:.3f} | {r['clock_lag_max']} |"
+        )
+    if args.json:
+        args.json.write_text(
+            json.dumps({"args": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=2)
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=4)
@@ -463,10 +544,18 @@ def main() -> None:
         help="run the peer with equal workers only",
     )
     parser.add_argument("--json", type=Path, help="write every row here")
+    parser.add_argument(
+        "--two-level",
+        action="store_true",
+        help="flat vs local servers on a simulated 2 nodes × 2 workers",
+    )
     args = parser.parse_args()
     if args.batch % args.workers:
         parser.error(f"--batch {args.batch} is not a multiple of --workers {args.workers}")
 
+    if args.two_level:
+        two_level(args)
+        return
     step_ms = compute_ms(args)
     ray.init(num_cpus=max(4, args.workers), include_dashboard=False, log_to_driver=False)
     begin = time.perf_counter()

@@ -1,5 +1,6 @@
 """Parameter-server pieces without Ray: the byte-balanced partition, the flat wire
-format, the bounded-staleness rule under random worker speeds, and spec checks."""
+format, the bounded-staleness rule under random worker speeds, local servers' groups
+and staleness bound, and spec checks."""
 
 import asyncio
 import math
@@ -10,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from trainstack.config import ConfigError, ModelConfig, config_from_dict
+from trainstack.config import ConfigError, ModelConfig, config_from_dict, config_to_dict
 from trainstack.models import build_model
 from trainstack.models.gpt import GPT
 from trainstack.ps.clock import ClockBoard, StalenessBound, bound_for
+from trainstack.ps.local import clock_lag_bound, worker_groups
 from trainstack.ps.partition import check_shards, partition
 
 
@@ -145,6 +147,20 @@ def error_of(raw: dict[str, Any]) -> str:
         ({"pull_every": 0}, "strategy.pull_every=0 is out of range; allowed: >= 1"),
         ({"consistency": "bsp", "pull_every": 2}, "allowed: 1 (every round starts from"),
         ({"staleness_lr": "exp"}, "strategy.staleness_lr='exp' is not one of none, inverse"),
+        (
+            {"local_servers": "each"},
+            "strategy.local_servers='each' is out of range; allowed: none, per_node or a "
+            "count >= 1",
+        ),
+        ({"local_servers": 0}, "strategy.local_servers='0' is out of range; allowed: none"),
+        ({"local_servers": 3}, "strategy.local_servers='3' is out of range; allowed: at most"),
+        ({"local_servers": 2, "sync_every": 0}, "strategy.sync_every=0 is out of range"),
+        ({"local_servers": 2, "max_local_staleness": -1}, "max_local_staleness=-1 is out of"),
+        ({"sync_every": 4}, "but strategy.local_servers=none; allowed: per_node or a count"),
+        (
+            {"local_servers": "per_node", "consistency": "bsp", "sync_every": 2},
+            "with strategy.consistency=bsp: a bsp local server sends each clock",
+        ),
     ],
 )
 def test_invalid_parameter_server_specs_are_refused(
@@ -172,3 +188,24 @@ def test_ssp_spec_with_compression_is_valid() -> None:
         {**ps_spec(consistency="ssp", staleness_bound=2), "compression": {"kind": "topk"}}
     )
     assert cfg.strategy.staleness_bound == 2 and cfg.compression.kind == "topk"
+
+
+def test_local_servers_group_workers_by_node_or_round_robin_and_bound_the_lag() -> None:
+    per_node = config_from_dict(ps_spec(local_servers="per_node"))
+    assert worker_groups(per_node, ["b", "a", "b", "a"]) == [[0, 2], [1, 3]]
+    assert worker_groups(per_node, ["a", "a", "a", "a"]) == [[0, 1, 2, 3]]
+    raw = ps_spec(local_servers=3)  # a YAML number: the field holds the text
+    raw["scaling"] = {"num_workers": 4}
+    counted = config_from_dict(raw)
+    assert counted.strategy.local_servers == "3"
+    assert worker_groups(counted, ["a"] * 4) == [[0, 3], [1], [2]]
+    assert config_from_dict(config_to_dict(counted)) == counted
+
+    def lag(**strategy: Any) -> float:
+        return clock_lag_bound(config_from_dict(ps_spec(**strategy)))
+
+    assert lag() == math.inf  # async
+    assert lag(consistency="bsp") == 0
+    assert lag(consistency="ssp", staleness_bound=2, pull_every=3) == 2 + 2
+    local = {"local_servers": "per_node", "sync_every": 4, "max_local_staleness": 1}
+    assert lag(consistency="ssp", staleness_bound=2, **local) == 2 + 1 + 3

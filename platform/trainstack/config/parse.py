@@ -125,7 +125,7 @@ def config_from_dict(raw: object) -> JobConfig:
     type (`"4"` -> 4, `"1e-3"` -> 0.001, `"yes"` -> True, `[0.9, 0.99]` -> a tuple).
     A null section means its defaults.
     """
-    cfg = build_section(JobConfig, _elastic_shorthand(raw), prefix="")
+    cfg = build_section(JobConfig, _local_servers_as_text(_elastic_shorthand(raw)), prefix="")
     validate(cfg)
     return cfg
 
@@ -150,6 +150,16 @@ def _elastic_shorthand(raw: object) -> object:
     rest = {k: v for k, v in scaling.items() if k != "num_workers"}
     scaling = {**rest, "num_workers": workers["max"], "min_workers": workers["min"]}
     return {**raw, "scaling": scaling}
+
+
+def _local_servers_as_text(raw: object) -> object:
+    """`strategy.local_servers: 2` (a YAML number) as the text "2" its field holds."""
+    strategy = raw.get("strategy") if isinstance(raw, Mapping) else None
+    count = strategy.get("local_servers") if isinstance(strategy, Mapping) else None
+    if not isinstance(count, int) or isinstance(count, bool):
+        return raw
+    assert isinstance(raw, Mapping) and isinstance(strategy, Mapping)
+    return {**raw, "strategy": {**strategy, "local_servers": str(count)}}
 
 
 def config_to_dict(cfg: JobConfig) -> dict[str, Any]:

@@ -282,6 +282,18 @@ class StrategyConfig:
     """ps: CPUs each shard actor reserves (>= 0), or -1 (auto): 0 when Ray runs on one
     machine (an embedded local instance: the shards fit beside the workers, as before),
     1 when the cluster has more than one node."""
+    local_servers: str = "none"
+    """ps: `none` (workers push to and pull from the global shards), `per_node` (a local
+    server on each node the workers landed on, for that node's workers) or a count N
+    (N local servers, worker w with server w mod N). A local server sums its workers'
+    pushes and sends the global shards one update for several of them."""
+    sync_every: int = 1
+    """ps with local servers, async and ssp: worker pushes a local server sums before it
+    sends their mean to the global shards as one update (and takes their parameters
+    back); bsp sends once per clock, when every worker of the server has pushed it."""
+    max_local_staleness: int = 0
+    """ps with local servers: clocks a local server's copy of the parameters may lag the
+    worker pulling it before the server syncs with the global shards first (>= 0)."""
 
 
 @dataclass(kw_only=True)

@@ -56,7 +56,7 @@ class StalenessBound:
 
 @dataclass(frozen=True, kw_only=True)
 class ActorNames:
-    """The Ray names of one run's clock board, shards and workers: what the Ray
+    """The Ray names of one run's clock board, shards, workers and local servers: what the Ray
     dashboard's Actors page lists them as (`trainstack-ps-<run name>-<id>-shard-0`)."""
 
     prefix: str
@@ -70,6 +70,9 @@ class ActorNames:
 
     def worker(self, index: int) -> str:
         return f"{self.prefix}-worker-{index}"
+
+    def local(self, index: int) -> str:
+        return f"{self.prefix}-local-{index}"
 
     @staticmethod
     def find(name: str) -> Any:
@@ -97,6 +100,8 @@ class ClockBoard:
         self.shard_versions: dict[int, int] = {}
         self.shard_losses: list[dict[str, int]] = []
         self.worker_starts = [0] * workers
+        self.on_shards: set[int] = set()
+        """Workers whose local server was lost: they push to the shards directly."""
 
     async def wait_turn(self, worker: int, clock: int) -> int:
         """Block while `worker` may not start step `clock` (having pushed `clock` steps);
@@ -143,6 +148,10 @@ class ClockBoard:
         self.worker_starts[worker] += 1
         return self.rule.clocks[worker]
 
+    def fell_back(self, worker: int) -> None:
+        """`worker`'s local server is gone: it pushes to the shards from now on."""
+        self.on_shards.add(worker)
+
     def shard_restored(self, shard: int, version: int) -> None:
         """A restarted shard resumed from `version`: what it had applied beyond is lost."""
         seen = self.shard_versions.get(shard, 0)
@@ -164,5 +173,6 @@ class ClockBoard:
             "waits": self.waits,
             "wait_s": self.wait_s,
             "worker_restarts": [max(0, n - 1) for n in self.worker_starts],
+            "workers_on_shards": sorted(self.on_shards),
             "shard_losses": self.shard_losses,
         }

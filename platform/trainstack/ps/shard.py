@@ -9,6 +9,13 @@ divided by 1 + a·staleness (`staleness_lr_factor`; the shard keeps each update'
 which the summary reports as `ps.lr_factor_mean`); with `reject_beyond_bound` a push
 staler than the bound is dropped and counted.
 
+A push may carry the mean gradient of several worker steps (`members`, from a local
+server: ps/local.py); a bsp round then waits for the steps of every worker, not for a
+push from each. The shard counts, per worker, the steps whose gradients it has taken
+in and the newest of them (`landed`): a pull answers with the clock up to which every
+worker's gradients are in (`complete`), so a worker knows how far behind its own clock
+the parameters it computes with are, end to end.
+
 Every `checkpoint_every_updates` updates the shard saves its parameters, optimizer
 state and version (atomically, with a sha256 beside it) and, restarted by Ray after a
 crash, resumes from the newest file that verifies. Pushes that reach it while it
@@ -40,6 +47,10 @@ from trainstack.ps.partition import ShardLayout
 Push = np.ndarray | list[tuple[tuple[int, ...], list[np.ndarray]]]
 """A gradient on the wire: the shard's flat float32 gradient, or with compression one
 (shape, payload parts) per parameter."""
+
+Pulled = tuple[int, np.ndarray, int]
+"""A shard's answer to a pull: its version, its parameters as one float32 array, and
+`complete`, the clock up to which it holds every worker's gradients."""
 
 
 def staleness_lr_factor(staleness: int, *, rule: str, alpha: float) -> float:
@@ -77,12 +88,19 @@ class ParameterServerShard:
         self.base_lr = scaled_lr(cfg.optim, data_parallel_size=self.workers)
         self.optimizer = build_optimizer(self.params, cfg.optim, lr=self.base_lr)
         self.version = 0
-        self.pending: dict[int, list[torch.Tensor]] = {}
+        self.pending: dict[int, list[tuple[torch.Tensor, list[tuple[int, int]]]]] = {}
+        """bsp: each clock's pushes so far, with the worker steps each averages."""
+        self.landed = [0] * self.workers
+        """Per worker, its newest step (a count of steps) whose gradient this shard took in."""
+        self.received = [0] * self.workers
+        """Per worker, how many of its steps' gradients this shard took in."""
         self.staleness: list[int] = []
         self.lr_factors: list[float] = []
         """Each applied update's `staleness_lr_factor`."""
         self.rejected = 0
         self.bytes_received = 0
+        self.bytes_sent = 0
+        """Parameters sent to workers or local servers (not the driver's pulls)."""
         self.apply_s = 0.0
         self.compressors: dict[int, Any] = {}
         self.telemetry = ShardTelemetry.for_shard(cfg, index=index, run_dir=self.dir.parent)
@@ -93,44 +111,59 @@ class ParameterServerShard:
 
     # ---- wire ---------------------------------------------------------------------------
 
-    def pull(self) -> tuple[int, np.ndarray]:
-        """This shard's version and its parameters as one float32 array."""
+    def pull(self, *, by_driver: bool = False) -> Pulled:
+        """This shard's version, its parameters as one float32 array, and the clock up to
+        which it holds every worker's gradients."""
         flat = torch.cat([p.detach().reshape(-1) for p in self.params]).numpy()
-        return self.version, flat
+        if not by_driver:
+            self.bytes_sent += flat.nbytes
+        return self.version, flat, min(self.landed)
 
     def push(
         self,
-        worker: int,
+        sender: int,
         clock: int,
         pulled_version: int,
         grad: Push,
         *,
         pull: bool = False,
         sent_at: float | None = None,
-    ) -> tuple[int, np.ndarray | None]:
-        """Apply (or, under bsp, collect) `worker`'s gradient of step `clock`, computed from
-        this shard's parameters at `pulled_version`; return the version now and, with
-        `pull`, the parameters too (a push and the next pull in one round trip).
-        `sent_at`, the worker's `time.time()` at sending, measures the shard's queue."""
+        members: list[tuple[int, int]] | None = None,
+    ) -> tuple[int, np.ndarray | None, int]:
+        """Apply (or, under bsp, collect) the gradient of step `clock` from `sender` (a
+        worker, or a local server sending the mean of its workers' steps `members`, as
+        (worker, clock) pairs), computed from this shard's parameters at `pulled_version`;
+        return the version now, with `pull` the parameters too (a push and the next pull
+        in one round trip), and `complete`. `sent_at`, the sender's `time.time()` at
+        sending, measures the shard's queue."""
         self._maybe_die()
         start = time.perf_counter()
-        flat = self._decode(worker, clock, grad)
+        steps = members if members is not None else [(sender, clock)]
+        flat = self._decode(sender, clock, grad)
         staleness = self.version - pulled_version
         self.staleness.append(staleness)
         if self.cfg.strategy.consistency == "bsp":
             waiting = self.pending.setdefault(clock, [])
-            waiting.append(flat)
-            if len(waiting) == self.workers:
-                self._apply(torch.stack(self.pending.pop(clock)).mean(0), clock=clock, staleness=0)
+            waiting.append((flat, steps))
+            if sum(len(held) for _, held in waiting) == self.workers:
+                self._apply(_round_mean(self.pending.pop(clock)), clock=clock, staleness=0)
+                self._took_in([step for _, held in waiting for step in held])
         elif (
             self.cfg.strategy.reject_beyond_bound and staleness > self.cfg.strategy.staleness_bound
         ):
             self.rejected += 1
+            self._took_in(steps)
         else:
             self._apply(flat, clock=clock, staleness=staleness)
+            self._took_in(steps)
         self.apply_s += time.perf_counter() - start
         self.telemetry.record_push(staleness=staleness, sent_at=sent_at)
-        return self.pull() if pull else (self.version, None)
+        return self.pull() if pull else (self.version, None, min(self.landed))
+
+    def _took_in(self, steps: list[tuple[int, int]]) -> None:
+        for worker, clock in steps:
+            self.landed[worker] = max(self.landed[worker], clock + 1)
+            self.received[worker] += 1
 
     def _decode(self, worker: int, clock: int, grad: Push) -> torch.Tensor:
         if isinstance(grad, np.ndarray):
@@ -180,6 +213,8 @@ class ParameterServerShard:
             "staleness": torch.tensor(self.staleness, dtype=torch.int64),
             "lr_factors": torch.tensor(self.lr_factors, dtype=torch.float64),
             "rejected": self.rejected,
+            "landed": torch.tensor(self.landed, dtype=torch.int64),
+            "received": torch.tensor(self.received, dtype=torch.int64),
         }
         path = self._path(self.version)
         save_atomically(state, path)
@@ -203,6 +238,8 @@ class ParameterServerShard:
             self.staleness = state["staleness"].tolist()
             self.lr_factors = state["lr_factors"].tolist()
             self.rejected = int(state["rejected"])
+            self.landed = state["landed"].tolist()
+            self.received = state["received"].tolist()
             return self.version
         return None
 
@@ -223,9 +260,20 @@ class ParameterServerShard:
             "lr_factors": self.lr_factors,
             "rejected": self.rejected,
             "bytes_received": self.bytes_received,
+            "bytes_sent": self.bytes_sent,
+            "received": self.received,
             "apply_s": self.apply_s,
             "numel": self.layout.numel,
         }
+
+
+def _round_mean(pushes: list[tuple[torch.Tensor, list[tuple[int, int]]]]) -> torch.Tensor:
+    """A bsp round's gradient: the mean over every worker step, each push weighted by the
+    steps it averages (with one step each: the plain mean of the pushes)."""
+    if all(len(steps) == 1 for _, steps in pushes):
+        return torch.stack([flat for flat, _ in pushes]).mean(0)
+    total = sum(len(steps) for _, steps in pushes)
+    return torch.stack([flat * len(steps) for flat, steps in pushes]).sum(0) / total
 
 
 def encode_push(

@@ -7,6 +7,11 @@ the same clock together see exactly one global batch. A step: wait for its turn
 its micro-batches, push each shard its slice of the gradient (compressed, with error
 feedback kept here, when the spec says so), and tell the clock board.
 
+With local servers (ps/local.py) it pushes its dense gradient to its local server and
+pulls from it instead; once that server is gone (its node lost), it tells the board and
+goes to the shards directly. Each step it notes how many clocks behind its own the
+parameters it computes with are (`complete`, from the shards): `ps.clock_lag_max`.
+
 Restarted by Ray after a crash, it asks the board for the clock it had reached,
 resumes its data cursor there, and pulls fresh parameters; the other workers never
 stop. Its error-feedback residuals start again from zero.
@@ -30,7 +35,7 @@ from trainstack.observe.prometheus import PsWorkerTelemetry
 from trainstack.observe.throughput import peak_memory_bytes
 from trainstack.ps.clock import ActorNames
 from trainstack.ps.partition import ShardLayout
-from trainstack.ps.shard import encode_push
+from trainstack.ps.shard import Pulled, encode_push
 from trainstack.strategies.base import apply_compile, autocast, to_device
 from trainstack.tasks import build_task
 
@@ -51,7 +56,10 @@ class ParameterServerWorker:
         torch.set_num_threads(cfg.scaling.torch_threads)
         self.index = index
         self.layouts = layouts
+        self.names = names
         self.shards: list[Any] = [names.find(names.shard(i)) for i in range(len(layouts))]
+        self.local: Any = None
+        """Its local server, when the job has them (set by `run`)."""
         self.board: Any = names.find(names.board)
         board = self.board
         # With scaling.use_gpu Ray gave this actor a GPU of its own (cuda:0 here).
@@ -82,20 +90,37 @@ class ParameterServerWorker:
         )
         self.versions = [0] * len(layouts)
         """Shard versions of the parameters this worker computes with."""
+        self.complete = 0
+        """The clock up to which those parameters hold every worker's gradients."""
+        self.lag_max = 0
+        self.lag_sum = 0
         self.prefetched = False
         """Whether the last push brought back the parameters for this step."""
         self.seconds = {"compute": 0.0, "push": 0.0, "pull": 0.0, "wait": 0.0, "slow": 0.0}
         self.bytes_sent = 0
         self.dense_bytes = 0
+        """Bytes (as sent, and dense) this worker pushed to the shards directly."""
+        self.local_bytes = 0
+        """Bytes it pushed to its local server (dense)."""
         self.steps_done = 0
         self.telemetry = PsWorkerTelemetry.for_worker(cfg, index=index, run_dir=Path(run_dir))
         self.telemetry.record_actor_start("ps_worker")
         torch.manual_seed(cfg.train.seed + 1 + index)
 
-    def run(self, deadline: float | None = None) -> dict[str, Any]:
+    def node(self) -> str:
+        """The Ray node this worker runs on."""
+        return str(ray.get_runtime_context().get_node_id())
+
+    def run(self, deadline: float | None = None, local: int | None = None) -> dict[str, Any]:
         """Train until this worker has pushed `train.steps` steps (or the wall clock passes
-        `deadline`, a `time.time()`); return its figures."""
+        `deadline`, a `time.time()`), through local server `local` when given; return its
+        figures."""
         s = self.cfg.strategy
+        if local is not None:
+            try:
+                self.local = self.names.find(self.names.local(local))
+            except ValueError:  # lost before this (restarted) worker came up
+                self._fall_back()
         pulled_at = None
         start = time.perf_counter()
         while self.clock < self.cfg.train.steps:
@@ -112,6 +137,9 @@ class ParameterServerWorker:
                     self._pull()
                 pulled_at = self.clock
             self.prefetched = False
+            lag = self.clock - self.complete
+            self.lag_max = max(self.lag_max, lag)
+            self.lag_sum += lag
             t = time.perf_counter()
             loss = self._gradients()
             compute = time.perf_counter() - t
@@ -121,7 +149,11 @@ class ParameterServerWorker:
                 time.sleep(delay)
                 self.seconds["slow"] += delay
             # Async: a push whose next step pulls brings the parameters back with it.
-            pull_next = s.consistency == "async" and self.clock + 1 - pulled_at >= s.pull_every
+            pull_next = (
+                s.consistency == "async"
+                and self.local is None
+                and self.clock + 1 - pulled_at >= s.pull_every
+            )
             versions = self._push(pull=pull_next)
             self.clock += 1
             self.steps_done += 1
@@ -142,21 +174,43 @@ class ParameterServerWorker:
             "seconds": self.seconds,
             "bytes_sent": self.bytes_sent,
             "dense_bytes": self.dense_bytes,
+            "local_bytes": self.local_bytes,
+            "clock_lag_max": self.lag_max,
+            "clock_lag_sum": self.lag_sum,
             "peak_mem_bytes": peak_memory_bytes(self.device),
             "device": self.device.type,
         }
 
     def _pull(self) -> None:
         t = time.perf_counter()
-        self._set_parameters(ray.get([shard.pull.remote() for shard in self.shards]))
+        pulled = self._from_local("pull", self.clock)
+        if pulled is None:
+            pulled = ray.get([shard.pull.remote() for shard in self.shards])
+        self._set_parameters(pulled)
         self.seconds["pull"] += time.perf_counter() - t
 
+    def _from_local(self, method: str, *args: Any) -> Any:
+        """`method(*args)` on the local server; None when there is none, or it is gone
+        (then this worker falls back to the shards)."""
+        if self.local is None:
+            return None
+        try:
+            return ray.get(getattr(self.local, method).remote(*args))
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+            self._fall_back()
+            return None
+
+    def _fall_back(self) -> None:
+        self.local = None
+        self.board.fell_back.remote(self.index)
+
     @torch.no_grad()
-    def _set_parameters(self, pulled: list[tuple[int, Any]]) -> None:
-        for i, (version, flat) in enumerate(pulled):
+    def _set_parameters(self, pulled: list[Pulled]) -> None:
+        for i, (version, flat, _) in enumerate(pulled):
             self.versions[i] = version
             for name, value in self.layouts[i].unflatten(flat).items():
                 self.params[name].copy_(value)
+        self.complete = min(complete for _, _, complete in pulled)
 
     def _gradients(self) -> float:
         """Mean loss over this worker's micro-batches of the step; gradients left in .grad."""
@@ -177,6 +231,13 @@ class ParameterServerWorker:
         t = time.perf_counter()
         # the wire and the codecs work on host memory
         grads = {name: p.grad.cpu() for name, p in self.params.items() if p.grad is not None}
+        if self.local is not None:  # dense to the local server, which sums and sends on
+            flats = [layout.flatten(grads) for layout in self.layouts]
+            versions = self._from_local("push", self.index, self.clock, self.versions, flats)
+            if versions is not None:
+                self.local_bytes += sum(flat.nbytes for flat in flats)
+                self.seconds["push"] += time.perf_counter() - t
+                return cast(list[int], versions)
         refs = []
         for i, (shard, layout) in enumerate(zip(self.shards, self.layouts, strict=True)):
             wire, nbytes = encode_push(
@@ -198,4 +259,4 @@ class ParameterServerWorker:
             self._set_parameters(answers)
             self.prefetched = True
         self.seconds["push"] += time.perf_counter() - t
-        return [version for version, _ in answers]
+        return [version for version, _, _ in answers]

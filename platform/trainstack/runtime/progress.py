@@ -127,9 +127,24 @@ def format_summary(summary: dict[str, Any]) -> str:
             (
                 "staleness",
                 f"mean {ps['staleness_mean']:.2f}, p50 {ps['staleness_p50']:.0f}, "
-                f"p99 {ps['staleness_p99']:.0f}, max {ps['staleness_max']} (updates)",
+                f"p99 {ps['staleness_p99']:.0f}, max {ps['staleness_max']} (updates)"
+                + (  # runs from before end-to-end lags were measured lack it
+                    f"; a step's parameters at most {ps['clock_lag_max']} clocks behind it"
+                    if "clock_lag_max" in ps
+                    else ""
+                ),
             )
         )
+        if ps.get("local_servers") or ps.get("local_servers_lost"):
+            lost = ps["local_servers_lost"]
+            rows.append(
+                (
+                    "local servers",
+                    f"{len(ps['local_servers']) + len(lost)} ({len(lost)} lost, "
+                    f"{ps['pushes_lost']} worker steps lost); the shards moved "
+                    f"{ps['global_bytes_per_step']:,.0f} bytes per step",
+                )
+            )
         for failure in ps["shard_failures"]:
             rows.append(
                 (

@@ -1,4 +1,5 @@
-"""Runs a `ps` job on plain Ray actors: S shards, N workers and a clock board.
+"""Runs a `ps` job on plain Ray actors: S shards, N workers and a clock board (and with
+`strategy.local_servers`, local servers between the workers and the shards).
 
 The driver builds the model once (the seed fixes its weights), partitions it over the
 shards by bytes, starts the actors where ps/placement.py says, and waits for every
@@ -26,6 +27,7 @@ import numpy as np
 import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from trainstack import checkpoint as ckpt
 from trainstack.config import JobConfig, config_to_dict
@@ -34,6 +36,7 @@ from trainstack.data.bits_per_byte import summary_bits_per_byte
 from trainstack.data.sharding import eval_batches
 from trainstack.models import build_model, num_params
 from trainstack.ps.clock import ActorNames, ClockBoard, bound_for
+from trainstack.ps.local import LocalServer, worker_groups
 from trainstack.ps.partition import ShardLayout, partition
 from trainstack.ps.placement import OWN_RESOURCES, shard_cpus, shard_strategies
 from trainstack.ps.shard import ParameterServerShard
@@ -143,18 +146,20 @@ def run_parameter_server(
         for actor in [*worker_actors, *shards, board]:
             ray.kill(actor)
         raise WorkerFailedError(start_timeout_message(cfg)) from None
+    locals_, local_of = _start_local_servers(cfg, worker_actors, spec, layouts, names, display)
     deadline = time.time() + time_budget_s if time_budget_s is not None else None
 
     def held_out_now() -> float | None:
         """The held-out loss of the shards' current parameters."""
-        pulled = ray.get([shard.pull.remote() for shard in shards])
-        _load_final(model, layouts, [flat for _, flat in pulled])
+        pulled = ray.get([shard.pull.remote(by_driver=True) for shard in shards])
+        _load_final(model, layouts, [flat for _, flat, _ in pulled])
         return _held_out(cfg, model).get("eval_loss")
 
     reports = _run_workers(
         cfg,
         worker_actors,
         board,
+        local_of=local_of,
         deadline=deadline,
         display=display,
         on_progress=on_progress,
@@ -162,17 +167,20 @@ def run_parameter_server(
     )
     train_s = max(r["wall_s"] for r in reports)  # from the workers' first step: no start-up
 
+    local_reports, locals_lost = _flush_local_servers(locals_)
     shard_reports = ray.get([shard.report.remote() for shard in shards])
-    final = ray.get([shard.pull.remote() for shard in shards])
+    final = ray.get([shard.pull.remote(by_driver=True) for shard in shards])
     board_report = ray.get(board.report.remote())
-    for actor in [*worker_actors, *shards, board]:
+    for actor in [*worker_actors, *locals_, *shards, board]:
         ray.kill(actor)
-    _load_final(model, layouts, [flat for _, flat in final])
+    _load_final(model, layouts, [flat for _, flat, _ in final])
     summary = _summary(
         cfg,
         model,
         reports=reports,
         shard_reports=shard_reports,
+        local_reports=local_reports,
+        locals_lost=locals_lost,
         board_report=board_report,
         train_s=train_s,
     )
@@ -182,11 +190,66 @@ def run_parameter_server(
     return summary
 
 
+def _start_local_servers(
+    cfg: JobConfig,
+    workers: list[Any],
+    spec: dict[str, Any],
+    layouts: list[ShardLayout],
+    names: ActorNames,
+    display: ProgressDisplay | None,
+) -> tuple[list[Any], list[int | None]]:
+    """The local servers (none unless `strategy.local_servers`) and each worker's server.
+    Per node: one on each node the workers landed on, pinned there (a soft preference
+    does not hold a node whose CPUs the workers took); never restarted (ps/local.py)."""
+    if cfg.strategy.local_servers == "none":
+        return [], [None] * len(workers)
+    nodes: list[str] = ray.get([worker.node.remote() for worker in workers])
+    groups = worker_groups(cfg, nodes)
+    per_node = cfg.strategy.local_servers == "per_node"
+    servers: list[Any] = [
+        ray.remote(LocalServer)
+        .options(
+            name=names.local(g),
+            num_cpus=0,
+            max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(nodes[group[0]], soft=False)
+            if per_node
+            else OWN_RESOURCES,
+        )
+        .remote(index=g, spec=spec, layouts=layouts, names=names, workers=group)
+        for g, group in enumerate(groups)
+    ]
+    ray.get([server.__ray_ready__.remote() for server in servers])
+    local_of: list[int | None] = [None] * len(workers)
+    for g, group in enumerate(groups):
+        for w in group:
+            local_of[w] = g
+    if display is not None:
+        sizes = ", ".join(str(len(group)) for group in groups)
+        where = "one per node" if per_node else "workers dealt round-robin"
+        display.note(f"local servers: {len(groups)} ({where}; {sizes} workers)")
+    return servers, local_of
+
+
+def _flush_local_servers(servers: list[Any]) -> tuple[list[dict[str, Any]], list[int]]:
+    """Have each live local server send what it holds (the run's end); their reports, and
+    which servers were lost."""
+    reports, lost = [], []
+    for g, server in enumerate(servers):
+        try:
+            ray.get(server.flush.remote())
+            reports.append(ray.get(server.report.remote()))
+        except RayActorError:
+            lost.append(g)
+    return reports, lost
+
+
 def _run_workers(
     cfg: JobConfig,
     actors: list[Any],
     board: Any,
     *,
+    local_of: list[int | None],
     deadline: float | None,
     display: ProgressDisplay | None,
     on_progress: Any,
@@ -195,7 +258,7 @@ def _run_workers(
     """Wait for every worker's `run`. Ray restarts a worker that dies (up to
     `failure.max_failures` times) and runs `run` again on it (task retries); a worker
     out of restarts fails the job."""
-    pending = {actor.run.remote(deadline): w for w, actor in enumerate(actors)}
+    pending = {actor.run.remote(deadline, local_of[w]): w for w, actor in enumerate(actors)}
     reports: list[dict[str, Any]] = [{} for _ in actors]
     start = time.perf_counter()
     last_shown = -1
@@ -290,6 +353,8 @@ def _summary(
     *,
     reports: list[dict[str, Any]],
     shard_reports: list[dict[str, Any]],
+    local_reports: list[dict[str, Any]],
+    locals_lost: list[int],
     board_report: dict[str, Any],
     train_s: float,
 ) -> dict[str, Any]:
@@ -301,14 +366,23 @@ def _summary(
     samples = sum(clocks) * cfg.train.global_batch_size / cfg.scaling.num_workers
     evaluation = _held_out(cfg, model)
     eval_loss = evaluation.get("eval_loss")
-    sent = sum(r["bytes_sent"] for r in reports)
-    dense = sum(r["dense_bytes"] for r in reports)
+    senders = [*reports, *local_reports]  # who pushed to the shards
+    sent = sum(r["bytes_sent"] for r in senders)
+    dense = sum(r["dense_bytes"] for r in senders)
+    steps = min(clocks)
+    global_bytes = sum(r["bytes_received"] + r["bytes_sent"] for r in shard_reports)
+    # Steps pushed whose gradient no shard holds (lost with a local server's sums, or
+    # with a shard's updates since its last checkpoint); a worker that redid a step
+    # after a restart may have it twice.
+    taken_in = [min(r["received"][w] for r in shard_reports) for w in range(len(clocks))]
+    lost = sum(max(0, clock - got) for clock, got in zip(clocks, taken_in, strict=True))
+    lag_steps = sum(r["steps"] for r in reports)
     corpus = build_corpus(cfg.data)
     return {
         "strategy": "ps",
         "world_size": cfg.scaling.num_workers,
         "device": reports[0]["device"],  # the workers' (a shard's is always the CPU)
-        "steps": min(clocks),
+        "steps": steps,
         "final_loss": eval_loss if eval_loss is not None else float("nan"),
         "eval_loss": eval_loss,
         **evaluation,
@@ -321,7 +395,9 @@ def _summary(
         "peak_mem_bytes": max(r["peak_mem_bytes"] for r in reports),
         "train_s": train_s,
         "params": num_params(model),
-        "restarts": sum(board_report["worker_restarts"]) + len(board_report["shard_losses"]),
+        "restarts": sum(board_report["worker_restarts"])
+        + len(board_report["shard_losses"])
+        + len(locals_lost),
         "ps": {
             "consistency": s.consistency,
             "num_shards": s.num_shards,
@@ -347,6 +423,18 @@ def _summary(
             "shard_failures": board_report["shard_losses"],
             "bytes_pushed": sent,
             "compression_ratio": dense / sent if sent else 1.0,
+            # what the global shards took in and sent out per step (pushes and pulls)
+            "global_bytes_per_step": global_bytes / steps if steps else 0.0,
+            "clock_lag_max": max(r["clock_lag_max"] for r in reports),
+            "clock_lag_mean": sum(r["clock_lag_sum"] for r in reports) / lag_steps
+            if lag_steps
+            else 0.0,
+            "pushes_lost": lost,
+            "local_servers": [
+                {k: r[k] for k in ("workers", "syncs", "bytes_sent")} for r in local_reports
+            ],
+            "local_servers_lost": locals_lost,
+            "workers_on_shards": board_report["workers_on_shards"],
         },
     }
 

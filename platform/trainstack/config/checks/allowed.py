@@ -66,6 +66,10 @@ PS_CONSISTENCY: tuple[str, ...] = ("async", "ssp", "bsp")
 PS_STALENESS_LR: tuple[str, ...] = ("none", "inverse")
 
 
+PS_LOCAL_SERVERS = "none, per_node or a count >= 1"
+"""strategy.local_servers: where a ps job's workers push."""
+
+
 ALLREDUCE_MODES: tuple[str, ...] = ("flat", "hierarchical", "auto")
 """strategy.allreduce: how DDP reduces gradients across nodes."""
 

@@ -26,6 +26,7 @@ from trainstack.config.checks.allowed import (
     PIPELINE_ENGINES,
     PIPELINE_SCHEDULES,
     PS_CONSISTENCY,
+    PS_LOCAL_SERVERS,
     PS_STALENESS_LR,
     QSGD_BITS,
     STRATEGY_KINDS,
@@ -175,6 +176,7 @@ def validate_parameter_server(cfg: JobConfig) -> None:
     auto = "-1 (auto: 0 on one machine, 1 on a multi-node cluster) or >= 0"
     require("strategy.ps_cpus", s.ps_cpus == -1 or s.ps_cpus >= 0, s.ps_cpus, auto)
     cap("strategy.ps_cpus", s.ps_cpus, MAX_CPUS_PER_WORKER)
+    validate_local_servers(cfg)
     f = cfg.faults
     require("faults.slow_factor", f.slow_factor >= 1, f.slow_factor, ">= 1")
     cap("faults.slow_factor", f.slow_factor, MAX_SLOW_FACTOR)
@@ -205,6 +207,46 @@ def validate_parameter_server(cfg: JobConfig) -> None:
     workers = cfg.scaling.num_workers
     require("faults.slow_rank", -1 <= f.slow_rank < workers, f.slow_rank, f"-1 to {workers - 1}")
     require("faults.shard", 0 <= f.shard < s.num_shards, f.shard, f"0 to {s.num_shards - 1}")
+
+
+def validate_local_servers(cfg: JobConfig) -> None:
+    """`strategy.local_servers` and the two keys that tune it."""
+    s = cfg.strategy
+    text = s.local_servers
+    count = int(text) if text.isascii() and text.isdigit() else None
+    require(
+        "strategy.local_servers",
+        text in ("none", "per_node") or bool(count),
+        text,
+        PS_LOCAL_SERVERS,
+    )
+    if count is not None:
+        workers = cfg.scaling.num_workers
+        require(
+            "strategy.local_servers",
+            count <= workers,
+            text,
+            f"at most scaling.num_workers={workers}",
+        )
+    require("strategy.sync_every", s.sync_every >= 1, s.sync_every, ">= 1")
+    cap("strategy.sync_every", s.sync_every, MAX_UPDATES)
+    require(
+        "strategy.max_local_staleness", s.max_local_staleness >= 0, s.max_local_staleness, ">= 0"
+    )
+    cap("strategy.max_local_staleness", s.max_local_staleness, MAX_STEPS)
+    tuned = (s.sync_every, s.max_local_staleness) != (1, 0)
+    if tuned and text == "none":
+        raise ConfigError(
+            f"strategy.sync_every={s.sync_every} and max_local_staleness={s.max_local_staleness} "
+            "tune local servers, but strategy.local_servers=none; allowed: per_node or a "
+            "count, or sync_every 1 and max_local_staleness 0"
+        )
+    if tuned and s.consistency == "bsp":
+        raise ConfigError(
+            f"strategy.sync_every={s.sync_every} and max_local_staleness={s.max_local_staleness} "
+            "with strategy.consistency=bsp: a bsp local server sends each clock and serves "
+            "each clock's parameters; allowed: sync_every 1 and max_local_staleness 0"
+        )
 
 
 def validate_deepspeed_pipeline(cfg: JobConfig) -> None:
