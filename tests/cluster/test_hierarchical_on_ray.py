@@ -26,7 +26,7 @@ def spec(tmp_path: Path) -> dict[str, Any]:
         "data": {"vocab_size": 16, "order": 1, "eval_samples": 16},
         "train": {"steps": 8, "global_batch_size": 16, "micro_batch_size": 4, "precision": "fp64"},
         "optim": {"lr": 1e-2, "warmup_steps": 2},
-        "strategy": {"kind": "ddp", "allreduce": "auto"},
+        "strategy": {"kind": "ddp", "allreduce": "hierarchical"},
         "scaling": {"num_workers": 4, "resources_per_worker": {WORKER_NODE: 1}},
         "checkpoint": {"storage_path": str(tmp_path / "runs")},
         "log": {"every_steps": 4, "progress": "quiet"},

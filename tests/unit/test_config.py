@@ -544,8 +544,8 @@ def test_counts_at_their_ceiling_build() -> None:
         ({"kind": "zero", "allreduce": "hierarchical"}, {}, "is for strategy.kind ddp"),
         (
             {"allreduce": "auto"},
-            {"compression": {"kind": "fp16"}},
-            "compression hooks run on a flat all-reduce yet",
+            {"compression": {"kind": "auto"}},
+            "with compression.kind=auto: the adaptive controller models a flat all-reduce",
         ),
     ],
 )

@@ -9,6 +9,8 @@ state differs per rank, so every rank saves its own.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -161,6 +163,18 @@ def optimizer_config(cfg: JobConfig, *, world_size: int) -> OptimConfig:
     return dataclasses.replace(cfg.optim, kind="sgd", momentum=0.0)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Across:
+    """Compress over another group than DDP's: a node-aware all-reduce's leaders."""
+
+    group: Any | None
+    """The process group (None on a rank outside it)."""
+    size: int
+    """Its ranks."""
+    take: Callable[[BucketHook], None]
+    """Receives the hook, which it calls on each bucket (DDP does not)."""
+
+
 def register_compression(
     ddp_model: nn.Module,
     cfg: CompressionConfig,
@@ -168,11 +182,14 @@ def register_compression(
     world_size: int,
     seed: int,
     optim: OptimConfig | None = None,
+    across: Across | None = None,
 ) -> CompressionState:
     """Register the hook for `cfg.kind` on `ddp_model`; return its state.
 
     With one worker nothing is sent and no hook is needed (stats: 0 bytes). With
     `kind: none` DDP's own all-reduce runs and the stats are its fp32 gradient bytes.
+    With `across` (a node-aware all-reduce's leaders) the hook is built over that group
+    and handed to its owner instead of DDP; a rank outside it compresses nothing.
     """
     if world_size == 1:
         return CompressionState(kind=cfg.kind, hook=None, fixed_stats=CommStats())
@@ -182,6 +199,10 @@ def register_compression(
         dense = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         stats = CommStats(bytes_sent=dense, dense_bytes=dense)
         return CompressionState(kind=cfg.kind, hook=None, fixed_stats=stats)
+    if across is not None:
+        if across.group is None:
+            return CompressionState(kind=cfg.kind, hook=None, fixed_stats=CommStats())
+        group, world_size = across.group, across.size
     local = local_gradient(cfg, optim or OptimConfig(), model=model)
     hook: BucketHook
     if cfg.kind == "powersgd":
@@ -208,7 +229,10 @@ def register_compression(
             if cfg.kind == "auto"
             else None,
         )
-    ddp_model.register_comm_hook(state=None, hook=hook.communicate)
+    if across is not None:
+        across.take(hook)
+    else:
+        ddp_model.register_comm_hook(state=None, hook=hook.communicate)
     device = next(model.parameters()).device
     return CompressionState(kind=cfg.kind, hook=hook, fixed_stats=CommStats(), device=device)
 

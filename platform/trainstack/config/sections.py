@@ -256,7 +256,9 @@ class StrategyConfig:
     allreduce: str = "flat"
     """ddp: `flat` (DDP's all-reduce over every rank), `hierarchical` (within each node,
     then one rank per node across nodes, then back: the inter-node link carries one copy
-    per node) or `auto` (hierarchical when the ranks span several nodes and share some)."""
+    per node; a `compression:` kind compresses that level only) or `auto` (where the ranks
+    span several nodes and share some: times each level's link at start and takes two
+    levels when the α-β model says they are faster)."""
     expert_parallel: int = 1
     """ddp with MoE layers: ranks P that split each layer's experts (E / P each), tokens
     sent to their experts' ranks by all-to-all; must divide scaling.num_workers and the

@@ -39,9 +39,11 @@ from trainstack.strategies.base import (
 from trainstack.strategies.expert_parallel import ExpertParallel
 from trainstack.strategies.hierarchical import (
     HierarchicalAllReduce,
+    LevelChoice,
+    measure_levels,
     node_groups,
     nodes_of_ranks,
-    uses_hierarchy,
+    two_levels_possible,
 )
 from trainstack.strategies.named_optimizer_state import (
     named_parameters,
@@ -65,6 +67,8 @@ class DDPStrategy:
         self.task = build_task(cfg)
         self.experts: ExpertParallel | None = None
         self.hierarchy: HierarchicalAllReduce | None = None
+        self.levels: LevelChoice | None = None
+        """What `allreduce: auto` measured and chose (None: it did not need to)."""
         self._steps = 0  # this run's steps on this rank (resumed: since the resume)
         self._expert_params: list[nn.Parameter] = []
         self._dense_params: list[nn.Parameter] = []
@@ -83,10 +87,8 @@ class DDPStrategy:
                 gradient_as_bucket_view=self.cfg.strategy.gradient_as_bucket_view,
             )
         if isinstance(model, DistributedDataParallel) and self.cfg.strategy.allreduce != "flat":
-            nodes = nodes_of_ranks(self.ctx.node)  # a collective, only when it may matter
-            if uses_hierarchy(self.cfg.strategy.allreduce, nodes):
-                groups = node_groups(nodes, self.ctx.rank)
-                self.hierarchy = HierarchicalAllReduce(groups, world_size=self.ctx.world_size)
+            self._choose_levels(model)
+            if self.hierarchy is not None:
                 model.register_comm_hook(None, self.hierarchy.communicate)
         self.compression = register_compression(
             model,
@@ -94,6 +96,7 @@ class DDPStrategy:
             world_size=self.ctx.world_size,
             seed=self.cfg.train.seed,
             optim=self.cfg.optim,
+            across=self.hierarchy.leaders_level() if self.hierarchy is not None else None,
         )
         self.model = model
         lr = scaled_lr(self.cfg.optim, data_parallel_size=self.ctx.world_size)
@@ -101,6 +104,26 @@ class DDPStrategy:
         self.optimizer = build_optimizer(self.unwrapped_model(), optim, lr=lr)
         self.scheduler = build_scheduler(
             self.optimizer, self.cfg.optim, total_steps=self.cfg.train.steps
+        )
+
+    def _choose_levels(self, model: nn.Module) -> None:
+        """`strategy.allreduce` hierarchical, or auto where two levels are possible and
+        model faster on the measured links: set `hierarchy` (collectives on every rank)."""
+        choice = self.cfg.strategy.allreduce
+        nodes = nodes_of_ranks(self.ctx.node)
+        if not two_levels_possible(choice, nodes):
+            return
+        groups = node_groups(nodes, self.ctx.rank)
+        if choice == "auto":
+            grads = [p for p in model.parameters() if p.requires_grad]
+            grad_bytes = sum(p.numel() * p.element_size() for p in grads)
+            self.levels = measure_levels(groups, grad_bytes=grad_bytes, device=self.ctx.device)
+            if not self.levels.hierarchical:
+                return
+        self.hierarchy = HierarchicalAllReduce(
+            groups,
+            world_size=self.ctx.world_size,
+            compressed=self.cfg.compression.kind != "none",
         )
 
     def _split_experts(self, model: nn.Module) -> None:
@@ -211,31 +234,37 @@ class DDPStrategy:
     def layout_notes(self) -> list[str]:
         """How gradients travel, when compressed or reduced node by node."""
         c = self.cfg.compression
-        if self.hierarchy is not None:
-            return [self.hierarchy.describe()]
+        chosen = [self.levels.describe()] if self.levels is not None else []
+        if self.hierarchy is not None and c.kind == "none":
+            return [*chosen, self.hierarchy.describe()]
         if c.kind == "none" or not self.ctx.is_distributed:
-            return []
+            return chosen
         parts = [f"compression: {c.kind}"]
+        if self.hierarchy is not None:
+            parts = [self.hierarchy.describe(), f"compression across nodes: {c.kind}"]
         if moments_on_ranks(self.cfg, world_size=self.ctx.world_size):
             parts.append(f"{self.cfg.optim.kind} moments on each rank (momentum correction)")
         if c.warmup_steps:
             parts.append(f"warm-up {c.warmup_steps} steps")
-        return [", ".join(parts)]
+        return [*chosen, ", ".join(parts)]
 
     def run_metrics(self) -> dict[str, Any]:
         """Bytes over the whole run (warm-up included) and the run's compression ratio;
         under `kind: auto`, the link its controller modelled (`compression_link`)."""
+        metrics: dict[str, Any] = {}
+        if self.levels is not None:
+            metrics["allreduce_auto"] = self.levels.figures()
         if self.hierarchy is not None:
             sent = self.hierarchy.cross_node_bytes / max(1, self._steps)
-            return {"cross_node_bytes_per_step": sent}  # rank 0 leads its node
+            metrics["cross_node_bytes_per_step"] = sent  # rank 0 leads its node
         if self.compression is None or self.cfg.compression.kind == "none":
-            return {}
+            return metrics
         total, hook = self.compression.total, self.compression.hook
-        metrics: dict[str, Any] = {
-            "bytes_on_wire_run": total.bytes_sent,
-            "compression_ratio_run": total.ratio,
-            "codec_s_per_step": hook.codec_seconds_per_step if hook is not None else 0.0,
-        }
+        metrics.update(
+            bytes_on_wire_run=total.bytes_sent,
+            compression_ratio_run=total.ratio,
+            codec_s_per_step=hook.codec_seconds_per_step if hook is not None else 0.0,
+        )
         adaptive = getattr(hook, "adaptive", None)
         if adaptive is not None:
             metrics["compression_link"] = adaptive.link_figures()

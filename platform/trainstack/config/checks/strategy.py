@@ -85,11 +85,11 @@ def validate_allreduce(cfg: JobConfig) -> None:
             f"all-reduce is for strategy.kind {kinds_that(lambda k: k.dense_hooks)}; "
             "allowed here: flat"
         )
-    if cfg.compression.kind != "none":
+    if cfg.compression.kind == "auto":
         raise ConfigError(
-            f"strategy.allreduce={mode} with compression.kind={cfg.compression.kind}: the "
-            "compression hooks run on a flat all-reduce yet; allowed: allreduce flat, or "
-            "compression none"
+            f"strategy.allreduce={mode} with compression.kind=auto: the adaptive controller "
+            "models a flat all-reduce's link; allowed: allreduce flat, or a fixed "
+            "compression kind (it compresses the inter-node level)"
         )
 
 
