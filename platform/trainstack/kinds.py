@@ -307,6 +307,13 @@ DATA_KINDS: dict[str, DataKind] = {
             data_check="trainstack.data.checks:check_text",
         ),
         DataKind(
+            name="chat",
+            build="trainstack.data.chat:ChatCorpus",
+            task="lm",
+            files=True,
+            data_check="trainstack.data.checks:check_chat",
+        ),
+        DataKind(
             name="arrays",
             build="trainstack.data.arrays:ArrayCorpus",
             task="classify",

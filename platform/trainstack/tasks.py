@@ -34,6 +34,9 @@ from trainstack.data.sharding import Batch
 
 UserLoss = Callable[[Any, tuple[torch.Tensor | None, torch.Tensor]], torch.Tensor]
 
+IGNORED_TARGET = -100
+"""A target the cross-entropy skips (torch's default ignore_index)."""
+
 
 class TaskOutputError(RuntimeError):
     """A model output that does not fit the task; the message is one line."""
@@ -115,13 +118,17 @@ class Task:
     def batch_sums(
         self, outputs: Any, targets: torch.Tensor, *, inputs: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """float64 [loss × count, count, correct] of one held-out micro-batch."""
-        count = targets.numel()
+        """float64 [loss × count, count, correct] of one held-out micro-batch; targets of
+        -100 (chat: tokens no assistant wrote, padding) are not counted."""
+        scored = targets != IGNORED_TARGET
+        count = int(scored.sum())
         loss = self.task_loss(outputs, targets, inputs=inputs).detach().double()
+        if count == 0:  # nothing scored: cross-entropy's mean is 0 / 0
+            return torch.zeros(3, dtype=torch.float64)
         logits = getattr(outputs, "logits", outputs)
         correct = 0  # a user loss may take outputs that are not logits: no accuracy then
         if isinstance(logits, torch.Tensor) and logits.shape == (*targets.shape, self.num_outputs):
-            correct = int((logits.argmax(dim=-1) == targets).sum())
+            correct = int(((logits.argmax(dim=-1) == targets) & scored).sum())
         return torch.tensor([float(loss) * count, count, correct], dtype=torch.float64)
 
 

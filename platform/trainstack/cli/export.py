@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from trainstack.cli.args import error, store_option
 from trainstack.config import ConfigError
@@ -44,4 +45,23 @@ def export_command(args: argparse.Namespace) -> int:
         f"trainstack: wrote {hf_dir} (Hugging Face save_pretrained; load it with "
         "AutoModelForCausalLM.from_pretrained)"
     )
+    copied = copy_tokenizer(cfg, hf_dir)
+    if copied:
+        print(f"trainstack: copied the run's tokenizer from {copied} into {hf_dir}")
     return 0
+
+
+def copy_tokenizer(cfg: Any, hf_dir: Path) -> str:
+    """Save the run's tokenizer (a chat job's `data.tokenizer`, else the pretrained
+    folder's, when it has one) beside the exported model; the folder it came from, or
+    "" when the run had none (or it is gone: the model is exported all the same)."""
+    folders = [cfg.data.tokenizer] if cfg.data.kind == "chat" else []
+    folders.append(cfg.model.pretrained)
+    for folder in folders:
+        if not folder or not Path(folder, "tokenizer_config.json").is_file():
+            continue
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(folder, local_files_only=True).save_pretrained(hf_dir)
+        return str(folder)
+    return ""

@@ -94,16 +94,23 @@ class DataConfig:
     (.npz/.npy inputs and labels), `ray` (a Ray Data dataset), `custom` (a map-style
     torch Dataset named by `target`)."""
     train: tuple[str, ...] = ()
-    """tokens, text, arrays, ray: training files, paths or globs (relative to the working
+    """tokens, text, chat, arrays, ray: training files, paths or globs (relative to the working
     directory): a list, or one path or glob."""
     val: tuple[str, ...] = ()
-    """tokens, text, arrays, ray: held-out files, paths or globs (a list, or one);
+    """tokens, text, chat, arrays, ray: held-out files, paths or globs (a list, or one);
     empty: `val_fraction`."""
     val_fraction: float = 0.0
     """Without `val`: the fraction of the training samples (text: of its files) held out,
     in [0, 0.5)."""
     tokenizer: str = "bytes"
-    """text: `bytes` (vocabulary 256, no files) or a Hugging Face `tokenizers` JSON file."""
+    """text: `bytes` (vocabulary 256, no files) or a Hugging Face `tokenizers` JSON file;
+    chat: a Hugging Face tokenizer folder (a pretrained model's)."""
+    chat_template: str = ""
+    """chat: a Jinja chat-template file to render conversations with; empty: the
+    tokenizer's own."""
+    truncate: bool = False
+    """chat: cut a conversation longer than model.block_size + 1 tokens to that length
+    (false: refuse it, naming file:line)."""
     prepared_dir: str = ""
     """text: where `trainstack prepare` writes token files; empty:
     `<checkpoint.storage_path>/prepared/<fingerprint>`. Never the user's data directory."""

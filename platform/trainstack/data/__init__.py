@@ -3,10 +3,11 @@
 Every source serves `(inputs, targets)` micro-batches by global sample index
 (`sharding.Corpus`) and names its data by a `fingerprint`: synthetic `markov` token
 windows (`task.kind: lm`) and `clusters` labelled inputs (`classify`); your files as
-`tokens` (flat token files, lm) and `arrays` (.npz / .npy inputs and labels,
-classify); your own map-style Dataset as `custom`. The file and Dataset sources are
-finite and read in seeded epochs (`indexed.IndexedCorpus`). `ray` streams are built
-by `ray_source` instead, and `text` by `text` from files `trainstack prepare` wrote.
+`tokens` (flat token files, lm), `chat` (conversations in jsonl, loss on the
+assistant's tokens, lm) and `arrays` (.npz / .npy inputs and labels, classify); your
+own map-style Dataset as `custom`. The file and Dataset sources are finite and read in
+seeded epochs (`indexed.IndexedCorpus`). `ray` streams are built by `ray_source`
+instead, and `text` by `text` from files `trainstack prepare` wrote.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Protocol
 
 from trainstack.config import ConfigError, DataConfig
 from trainstack.data.arrays import ArrayCorpus
+from trainstack.data.chat import ChatCorpus
 from trainstack.data.clusters import ClustersCorpus
 from trainstack.data.custom_dataset import DatasetCorpus
 from trainstack.data.indexed import IndexedCorpus
@@ -25,7 +27,7 @@ from trainstack.data.text import TextCorpus
 from trainstack.data.tokens import TokenCorpus
 from trainstack.kinds import DATA_KINDS, load
 
-Source = MarkovCorpus | ClustersCorpus | IndexedCorpus | TokenCorpus | RaySource
+Source = MarkovCorpus | ClustersCorpus | IndexedCorpus | TokenCorpus | ChatCorpus | RaySource
 """The built-in data sources: a corpus with a `fingerprint`."""
 
 
@@ -53,6 +55,7 @@ __all__ = [
     "EVAL_START",
     "ArrayCorpus",
     "Batch",
+    "ChatCorpus",
     "ClustersCorpus",
     "Corpus",
     "DataCursor",

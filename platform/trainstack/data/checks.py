@@ -81,6 +81,28 @@ def check_tokens(cfg: JobConfig) -> None:
     check_held_out(cfg, held=held, what=what)
 
 
+def check_chat(cfg: JobConfig) -> None:
+    """Chat files: every line a conversation the template renders, each fitting
+    model.block_size + 1 tokens (or cut, with data.truncate), token ids below the
+    vocabulary, enough held out."""
+    from trainstack.data.chat import ChatCorpus
+
+    d = cfg.data
+    for key, paths in (("data.train", d.train), ("data.val", d.val)):
+        for path in paths:
+            check_readable(path, key=key)
+    corpus = ChatCorpus.from_config(d)
+    vocab = corpus.tokenizer.vocab_size
+    if vocab > d.vocab_size:
+        raise ConfigError(
+            f"data.tokenizer={d.tokenizer} has {vocab:,} tokens but data.vocab_size="
+            f"{d.vocab_size:,}; allowed: data.vocab_size >= {vocab:,} (the model's embedding)"
+        )
+    samples = corpus.at(cfg.model.block_size)
+    held = len(samples.held_out) if samples.held_out is not None else 0
+    check_held_out(cfg, held=held, what="conversations")
+
+
 def check_text(cfg: JobConfig) -> None:
     """A prepared `text` job's token files: a training sample, ids below the vocabulary,
     enough held-out windows."""

@@ -25,8 +25,12 @@ PREPARED = "prepared"
 
 
 def resolve_data(cfg: JobConfig) -> JobConfig:
-    """`cfg` with `data.train`/`data.val` as absolute file paths and `data.prepared_dir`
-    absolute; unchanged for sources that read no files."""
+    """`cfg` with the paths workers read made absolute (their working directory may be
+    another): `data.train`/`data.val` as files, `data.prepared_dir`, a chat job's
+    tokenizer and template, and `model.pretrained`."""
+    if cfg.model.pretrained:
+        model = dataclasses.replace(cfg.model, pretrained=absolute(cfg.model.pretrained))
+        cfg = dataclasses.replace(cfg, model=model)
     d = cfg.data
     if not DATA_KINDS[d.kind].reads_files(d.target):
         return cfg
@@ -40,7 +44,20 @@ def resolve_data(cfg: JobConfig) -> JobConfig:
             .resolve()
         ),
     )
+    if d.kind == "chat":  # a worker's working directory may be another
+        data = dataclasses.replace(
+            data,
+            tokenizer=absolute(d.tokenizer),
+            chat_template=absolute(d.chat_template) if d.chat_template else "",
+        )
     return dataclasses.replace(cfg, data=data)
+
+
+def absolute(path: str) -> str:
+    """`path` made absolute when it names something here (else as given: the error comes
+    from whoever reads it)."""
+    resolved = Path(path).expanduser()
+    return str(resolved.resolve()) if path and resolved.exists() else path
 
 
 def expand(key: str, patterns: tuple[str, ...]) -> tuple[str, ...]:

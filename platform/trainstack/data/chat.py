@@ -1,0 +1,300 @@
+"""`data.kind: chat`: conversations in jsonl, loss on the assistant's tokens only.
+
+Each line of a `data.train` / `data.val` file is one conversation, either
+`{"messages": [{"role": ..., "content": ...}, ...]}` (roles system, user, assistant;
+at least one assistant message) or `{"prompt": ..., "response": ...}` (a user message
+and the assistant's answer). It is rendered with the tokenizer's chat template
+(`data.tokenizer`: a Hugging Face tokenizer folder, usually the pretrained model's;
+`data.chat_template`: a Jinja file to use instead of, or where the folder has none)
+and tokenized. The tokens an assistant message adds to the rendered conversation are
+the ones trained on: for each assistant message, the conversation rendered up to
+the message before it with the generation prompt, and up to the message itself;
+the tokens between are the message (its end-of-turn token included). The template
+must render each shorter conversation as a prefix of the longer one, else the
+conversation is refused naming its line.
+
+One conversation is one sample: inputs are its first T tokens (T = model.block_size),
+targets the next token at each position, -100 (ignored by the loss) where the next
+token is not an assistant's and over the padding that fills a short conversation to
+T. Position ids start at 0 in every sample and no sample attends to another, so the
+model sees each conversation exactly as alone (padding costs compute: nothing is
+packed). A conversation longer than T + 1 tokens is refused naming file:line, or with
+`data.truncate: true` cut to its first T + 1 (refused if no assistant token is left).
+
+Samples are read in seeded epochs like the other file sources (`indexed`), so the
+global batch is the same at any world size and a cursor resumes exactly. Each process
+tokenizes the files once when the corpus is first used (pre-flight does it first and
+reports every problem it finds as one line).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainstack.config import ConfigError, DataConfig
+from trainstack.data.indexed import EpochOrder, IndexedCorpus
+from trainstack.data.sharding import Batch
+from trainstack.data.tokens import files_fingerprint, held_out_size
+
+IGNORE = -100
+"""The target the loss skips."""
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Conversation:
+    """One tokenized conversation: its ids, and which of them an assistant wrote."""
+
+    ids: tuple[int, ...]
+    trained: tuple[bool, ...]
+    where: str
+    """`file:line`, for errors."""
+
+
+def messages_of(record: object, *, where: str) -> list[dict[str, str]]:
+    """The messages of one jsonl record, checked (a ConfigError naming `where`)."""
+    if isinstance(record, dict) and "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise ConfigError(f"{where}: messages must be a non-empty list")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+                raise ConfigError(f"{where}: messages[{i}] needs a text content")
+            if m.get("role") not in ROLES:
+                raise ConfigError(
+                    f"{where}: messages[{i}] has role {m.get('role')!r}; allowed: "
+                    + ", ".join(ROLES)
+                )
+        if not any(m["role"] == "assistant" for m in messages):
+            raise ConfigError(f"{where}: no assistant message: nothing to train on")
+        return [{"role": m["role"], "content": m["content"]} for m in messages]
+    if isinstance(record, dict) and {"prompt", "response"} <= set(record):
+        prompt, response = record["prompt"], record["response"]
+        if not isinstance(prompt, str) or not isinstance(response, str):
+            raise ConfigError(f"{where}: prompt and response must be text")
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+    raise ConfigError(
+        f'{where}: expected {{"messages": [...]}} or {{"prompt", "response"}}; got {keys}'
+    )
+
+
+@dataclass(kw_only=True)
+class ChatTokenizer:
+    """A Hugging Face tokenizer and the chat template conversations are rendered with."""
+
+    tokenizer: Any
+    template: str | None
+    """None: the tokenizer's own."""
+
+    @classmethod
+    def load(cls, cfg: DataConfig) -> ChatTokenizer:
+        from transformers import AutoTokenizer
+
+        folder = cfg.tokenizer
+        if folder in ("", "bytes"):
+            raise ConfigError(
+                "data.kind=chat needs data.tokenizer: a Hugging Face tokenizer folder (the "
+                "pretrained model's, usually)"
+            )
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        except (OSError, ValueError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(
+                f"data.tokenizer={folder}: not a tokenizer folder ({first})"
+            ) from None
+        template = None
+        if cfg.chat_template:
+            try:
+                template = Path(cfg.chat_template).read_text()
+            except OSError as e:
+                raise ConfigError(
+                    f"data.chat_template={cfg.chat_template}: cannot be read ({e.strerror or e})"
+                ) from None
+        elif not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(
+                f"data.tokenizer={folder} has no chat template; name a Jinja file in "
+                "data.chat_template"
+            )
+        return cls(tokenizer=tokenizer, template=template)
+
+    def render(self, messages: list[dict[str, str]], *, prompt: bool = False) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=prompt, chat_template=self.template
+        )
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    @property
+    def pad_id(self) -> int:
+        t = self.tokenizer
+        pad = t.pad_token_id if t.pad_token_id is not None else t.eos_token_id
+        return int(pad) if pad is not None else 0
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    def encode(self, messages: list[dict[str, str]], *, where: str) -> Conversation:
+        """The conversation's ids and which of them are the assistant's."""
+        ids = self.render(messages)
+        trained = [False] * len(ids)
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = self.render(messages[:i], prompt=True) if i else []
+            upto = self.render(messages[: i + 1])
+            if upto[: len(before)] != before or ids[: len(upto)] != upto:
+                raise ConfigError(
+                    f"{where}: the chat template does not render the conversation up to "
+                    f"message {i} as a prefix of the whole; the assistant's tokens cannot be "
+                    "told apart (use a template whose turns only append)"
+                )
+            for j in range(len(before), len(upto)):
+                trained[j] = True
+        return Conversation(ids=tuple(ids), trained=tuple(trained), where=where)
+
+
+def read_conversations(
+    paths: Sequence[str], tokenizer: ChatTokenizer, *, key: str, block_size: int, truncate: bool
+) -> list[Conversation]:
+    """Every conversation of the files, in order; the first problem as a ConfigError
+    naming file:line."""
+    out: list[Conversation] = []
+    for path in paths:
+        try:
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{key} file {path}: cannot be read ({e})") from None
+        for n, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{n}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+            chat = tokenizer.encode(messages_of(record, where=where), where=where)
+            out.append(fitted(chat, block_size=block_size, truncate=truncate))
+    if not out:
+        raise ConfigError(f"{key}: no conversations in {', '.join(paths) or 'no files'}")
+    return out
+
+
+def fitted(chat: Conversation, *, block_size: int, truncate: bool) -> Conversation:
+    """`chat` if it fits a sample of block_size + 1 tokens; cut to it with `truncate`."""
+    most = block_size + 1
+    if len(chat.ids) <= most:
+        return chat
+    if not truncate:
+        raise ConfigError(
+            f"{chat.where}: {len(chat.ids)} tokens, longer than model.block_size + 1 = {most}; "
+            "allowed: raise model.block_size, shorten it, or data.truncate=true"
+        )
+    cut = Conversation(ids=chat.ids[:most], trained=chat.trained[:most], where=chat.where)
+    if not any(cut.trained[1:]):
+        raise ConfigError(
+            f"{chat.where}: cut to model.block_size + 1 = {most} tokens (data.truncate) it "
+            "keeps no assistant token: nothing to train on"
+        )
+    return cut
+
+
+class ChatSamples:
+    """A `SampleSet` of conversations, each padded to one sample of seq_len."""
+
+    def __init__(self, chats: Sequence[Conversation], *, pad_id: int) -> None:
+        self.chats = tuple(chats)
+        self.pad_id = pad_id
+
+    def __len__(self) -> int:
+        return len(self.chats)
+
+    def take(self, ids: np.ndarray, *, seq_len: int) -> Batch:
+        x = torch.full((len(ids), seq_len), self.pad_id, dtype=torch.int64)
+        y = torch.full((len(ids), seq_len), IGNORE, dtype=torch.int64)
+        for row, i in enumerate(np.asarray(ids).tolist()):
+            chat = self.chats[i]
+            tokens = torch.tensor(chat.ids, dtype=torch.int64)
+            shown = min(len(tokens), seq_len)
+            x[row, :shown] = tokens[:shown]
+            targets = min(len(tokens) - 1, seq_len)  # positions that have a next token
+            keep = torch.tensor(chat.trained[1 : targets + 1], dtype=torch.bool)
+            y[row, :targets] = torch.where(keep, tokens[1 : targets + 1], IGNORE)
+        return x, y
+
+
+@dataclass(kw_only=True)
+class ChatCorpus:
+    """A `sharding.Corpus` over chat files: one `IndexedCorpus` per sequence length."""
+
+    cfg: DataConfig
+    _by_length: dict[int, IndexedCorpus] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_config(cls, cfg: DataConfig) -> ChatCorpus:
+        return cls(cfg=cfg)
+
+    @functools.cached_property
+    def tokenizer(self) -> ChatTokenizer:
+        return ChatTokenizer.load(self.cfg)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        d = self.cfg
+        files = {"train": list(d.train), "val": list(d.val)}
+        return files_fingerprint(
+            files,
+            kind="chat",
+            val_fraction=d.val_fraction,
+            truncate=d.truncate,
+            template=self.tokenizer.template or self.tokenizer.tokenizer.chat_template,
+            vocab=self.tokenizer.vocab_size,
+        )
+
+    def at(self, seq_len: int) -> IndexedCorpus:
+        """The training and held-out conversations as samples of seq_len (read once)."""
+        if seq_len not in self._by_length:
+            d, tok = self.cfg, self.tokenizer
+            read = functools.partial(
+                read_conversations, tokenizer=tok, block_size=seq_len, truncate=d.truncate
+            )
+            train = read(d.train, key="data.train")
+            if d.val:
+                held = read(d.val, key="data.val")
+            else:
+                n_held = held_out_size(len(train), d.val_fraction)
+                train, held = train[: len(train) - n_held], train[len(train) - n_held :]
+            if not train:
+                raise ConfigError(
+                    f"data.train: every conversation is held out (data.val_fraction="
+                    f"{d.val_fraction}); add data or lower the fraction"
+                )
+            self._by_length[seq_len] = IndexedCorpus(
+                train=ChatSamples(train, pad_id=tok.pad_id),
+                held_out=ChatSamples(held, pad_id=tok.pad_id) if held else None,
+                order=EpochOrder(size=len(train), seed=d.seed, shuffle=d.shuffle),
+                fingerprint=self.fingerprint,
+            )
+        return self._by_length[seq_len]
+
+    def train_batch(self, start: int, count: int, *, seq_len: int) -> Batch:
+        return self.at(seq_len).train_batch(start, count, seq_len=seq_len)
+
+    def held_out_batch(self, count: int, *, seq_len: int) -> Batch:
+        return self.at(seq_len).held_out_batch(count, seq_len=seq_len)
+
+    def loss_floor(self, seq_len: int) -> float | None:
+        """Unknown for real data."""
+        return None
+
+    def epoch(self, samples_seen: int, *, seq_len: int) -> int:
+        return self.at(seq_len).epoch(samples_seen, seq_len=seq_len)
