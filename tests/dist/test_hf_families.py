@@ -5,7 +5,9 @@ projections (phi3) and a mixture of experts (mixtral). (Gemma's norms compute in
 whatever the weights' precision, so a float64 bound does not hold for it: it is held to
 HF's own forward in tests/unit/test_hf_models.py.)
 DDP on 2 workers = one process in float64; FSDP2 over the family's `_no_split_modules`
-blocks = one process for the dense model and the mixture of experts."""
+blocks = one process for the dense model and the mixture of experts; a 2-stage pipeline
+cut by the family's own `base_model_pp_plan` = one process for qwen2, olmo2 and the
+mixture of experts (its balance loss off: a pipeline's stages do not gather it)."""
 
 from __future__ import annotations
 
@@ -107,4 +109,22 @@ def test_mixtrals_experts_split_over_two_ranks_train_what_one_process_trains(
     assert split["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4
     diff = max_difference(split, reference)
     print(f"mixtral ep2 vs one process: {diff:.3g}")
+    assert diff < FP64_BOUND
+
+
+@pytest.mark.parametrize("family", ["qwen2", "olmo2", "mixtral"])
+def test_a_pipeline_cut_by_the_familys_plan_matches_one_process(
+    family: str, tmp_path: Path
+) -> None:
+    """Stages from `base_model_pp_plan` (embedding | 2 decoder blocks | norm and head),
+    1F1B over 2 micro-batches of 4: the same micro-batches one process accumulates."""
+    raw = spec(family, tmp_path / "pp", strategy="pipeline", workers=2)
+    if family == "mixtral":
+        raw["model"]["hf"] = {**raw["model"]["hf"], "output_router_logits": False}
+    raw["strategy"].update(stages=2, microbatches=2)
+    reference = one_process(raw, tmp_path / "one-out")
+    assert_trained(reference, raw)
+    staged = weights_after(raw, tmp_path / "pp-out")
+    diff = max_difference(staged, reference)
+    print(f"{family} pipeline 2 vs one process: {diff:.3g}")
     assert diff < FP64_BOUND

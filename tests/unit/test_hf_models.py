@@ -402,24 +402,6 @@ def test_an_moe_family_asked_for_its_router_logits_adds_its_weighted_balance_los
     torch.testing.assert_close(task.loss(out, targets), ce + 0.05 * theirs.aux_loss)
 
 
-def test_a_family_without_pipeline_layers_is_refused_a_pipeline_in_one_line() -> None:
-    raw = {
-        "model": {"kind": "hf", "hf": {**OTHERS["qwen2"], "model_type": "qwen2"}, "block_size": T},
-        "data": {"vocab_size": VOCAB},
-        "train": {"global_batch_size": 8, "micro_batch_size": 2},
-        "strategy": {"kind": "pipeline", "stages": 2},
-        "scaling": {"num_workers": 2},
-    }
-    cfg = config_from_dict(raw)
-    model = build_model(cfg.model, vocab_size=VOCAB, seed=0)
-    with pytest.raises(ConfigError) as err:
-        check_pipeline_model(cfg, model)
-    assert str(err.value) == (
-        "model.hf.model_type=qwen2 runs its own Hugging Face forward, and trainstack has "
-        "pipeline layers for gpt2, llama only; use strategy.kind ddp, zero, fsdp or ps for it"
-    )
-
-
 @pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
 def test_a_family_that_runs_its_own_forward_goes_pretrained_in_trained_and_back_out(
     family: str, tmp_path: Path
@@ -449,3 +431,76 @@ def test_a_family_that_runs_its_own_forward_goes_pretrained_in_trained_and_back_
         tmp_path / "out", local_files_only=True
     )
     torch.testing.assert_close(loaded.eval()(idx).logits, model(idx), atol=1e-6, rtol=0)
+
+
+PLAN_WIDTHS = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+
+def plan_model(family: str, **hf: Any) -> Any:
+    widths = (
+        PLAN_WIDTHS if family != "falcon" else {"num_hidden_layers": 2, "num_attention_heads": 4}
+    )
+    raw = {
+        "model": {"kind": "hf", "hf": {"model_type": family, **widths, **hf}, "block_size": 16},
+        "data": {"vocab_size": 16},
+    }
+    return build_model(config_from_dict(raw).model, vocab_size=16, seed=0)
+
+
+@pytest.mark.parametrize(
+    ("family", "hf"),
+    [
+        ("qwen3", {}),
+        ("phi3", {}),
+        ("gemma3_text", {"head_dim": 8}),
+        ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    ],
+)
+def test_pipeline_layers_from_the_familys_plan_compute_its_own_forward(
+    family: str, hf: dict[str, Any]
+) -> None:
+    model = plan_model(family, **hf).eval()
+    layers = model.pipeline_layers()  # checked against the family's forward on first build
+    assert len(layers) == 2 + 2 and type(layers[1]).__name__ == "PlanLayer"
+    x = torch.randint(16, (2, 16), generator=torch.Generator().manual_seed(1))
+    h = x
+    with torch.no_grad():
+        for layer in layers:
+            h = layer(h)
+        own = model(x)
+    assert float((h - getattr(own, "logits", own)).abs().max()) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("family", "hf", "words"),
+    [
+        ("gemma2", {"head_dim": 8}, "its base_model_pp_plan's layers in order differ from its"),
+        ("mistral", {"sliding_window": 8}, "a sliding window shorter than model.block_size"),
+        ("falcon", {}, "its config's base_model_pp_plan (none) and the model's _pp_plan are not"),
+        (
+            "mixtral",
+            {"num_local_experts": 4, "output_router_logits": True},
+            "output_router_logits=true with a pipeline: mixtral's balance loss",
+        ),
+    ],
+)
+def test_a_family_whose_plan_does_not_compute_its_forward_is_refused_for_a_pipeline(
+    family: str, hf: dict[str, Any], words: str
+) -> None:
+    model = plan_model(family, **hf)
+    pipeline = config_from_dict(
+        {
+            "train": {"global_batch_size": 8, "micro_batch_size": 2},
+            "strategy": {"kind": "pipeline", "stages": 2},
+            "scaling": {"num_workers": 2},
+        }
+    )
+    with pytest.raises(ConfigError) as refused:  # what pre-flight and the stages call
+        check_pipeline_model(pipeline, model)
+    assert words in str(refused.value) and "\n" not in str(refused.value), str(refused.value)

@@ -19,11 +19,14 @@ decoder layers get no attention mask, so sdpa runs causal (`is_causal`, as HF's 
 forward on unpadded input) - hence sdpa only. Every other family runs its own HF
 forward (its masks, sliding windows, rotary embeddings and experts as transformers
 writes them) and trains under ddp, zero, fsdp (its `_no_split_modules` blocks are the
-FSDP units and what activation checkpointing recomputes) and the parameter server; a
-pipeline or tensor parallelism needs its layers or plan here, and is refused in one
-line without. Ties: a tied embedding stays one Parameter, in the first layer and the
-last. A mixture-of-experts family trains on the cross-entropy alone (no router
-auxiliary loss).
+FSDP units and what activation checkpointing recomputes) and the parameter server; its
+pipeline layers are cut by its own `base_model_pp_plan` and `_pp_plan` (`plan_layers`)
+and checked once against its forward (`check_plan_layers`): a family whose forward
+does more than those modules is refused a pipeline in one line. Tensor parallelism
+needs trainstack's plan (llama) and is refused in one line without. Ties: a tied
+embedding stays one Parameter, in the first layer and the last. A mixture-of-experts
+family trains on the cross-entropy alone, or with `output_router_logits` also on its
+balance loss (see `HFCausalLM.forward`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import inspect
 import os
 import shutil
 from collections.abc import Callable
@@ -66,6 +70,30 @@ class LlamaLayer(nn.Module):
         positions = _positions(hidden)
         cos_sin = self.rotary_emb(hidden, position_ids=positions)
         return self.layer(hidden, position_embeddings=cos_sin, position_ids=positions)
+
+
+class PlanLayer(nn.Module):
+    """One decoder block as `base_model_pp_plan`'s `layers` entry names it, called as the
+    family's own forward calls it over positions 0..T-1: the body's rotary embedding
+    (for the block's attention type, where the family has several), no attention mask
+    (causal sdpa)."""
+
+    def __init__(
+        self, *, layer: nn.Module, rotary_emb: nn.Module | None, layer_type: str | None
+    ) -> None:
+        super().__init__()
+        self.layer = layer
+        self.rotary_emb = rotary_emb
+        self.layer_type = layer_type
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        positions = _positions(hidden)
+        kwargs: dict[str, Any] = {"position_ids": positions}
+        if self.rotary_emb is not None:
+            typed = (self.layer_type,) if self.layer_type is not None else ()
+            kwargs["position_embeddings"] = self.rotary_emb(hidden, positions, *typed)
+        out = self.layer(hidden, attention_mask=None, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
 
 
 class GPT2Embedding(nn.Module):
@@ -120,6 +148,72 @@ def _llama_layers(model: nn.Module) -> list[nn.Module]:
         *(LlamaLayer(layer=block, rotary_emb=rotary) for block in blocks),
         NormHead(norm=body.get_submodule("norm"), lm_head=model.get_submodule("lm_head")),
     ]
+
+
+PLAN = ["embed_tokens", "layers", "norm"]
+"""The `base_model_pp_plan` trainstack cuts a family by (every decoder family declares it)."""
+
+
+def plan_layers(model: HFCausalLM) -> list[nn.Module]:
+    """Pipeline layers read from the family's own plans: `base_model_pp_plan` (embedding,
+    decoder blocks, final norm) and `_pp_plan` (the LM head); ConfigError naming the
+    attribute a family lacks, or what its forward does that the plan does not."""
+    hf = model.__dict__["_hf"]
+    plan = list(getattr(model.config, "base_model_pp_plan", None) or {})
+    if plan != PLAN or "lm_head" not in (getattr(hf, "_pp_plan", None) or {}):
+        raise ConfigError(
+            f"model.hf.model_type={model.family}: its config's base_model_pp_plan "
+            f"({plan or 'none'}) and the model's _pp_plan are not {PLAN} + lm_head, which a "
+            "pipeline is cut by; use strategy.kind ddp, zero, fsdp or ps for it"
+        )
+    if getattr(model.config, "output_router_logits", False):
+        raise ConfigError(
+            f"model.hf.output_router_logits=true with a pipeline: {model.family}'s balance "
+            "loss is gathered by its whole forward, which a pipeline's stages do not run; set "
+            "it false, or use strategy.kind ddp, zero, fsdp or ps"
+        )
+    body = hf.get_submodule(hf.base_model_prefix)
+    rotary = getattr(body, "rotary_emb", None)
+    typed = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
+    types = list(getattr(model.config, "layer_types", None) or [])
+    blocks = cast(nn.ModuleList, body.get_submodule("layers"))
+    return [
+        body.get_submodule("embed_tokens"),
+        *(
+            PlanLayer(layer=block, rotary_emb=rotary, layer_type=types[i] if typed else None)
+            for i, block in enumerate(blocks)
+        ),
+        NormHead(norm=body.get_submodule("norm"), lm_head=hf.get_submodule("lm_head")),
+    ]
+
+
+@torch.no_grad()
+def check_plan_layers(model: HFCausalLM, layers: list[nn.Module]) -> None:
+    """The plan's layers in order compute what the family's own forward computes, on one
+    probe sequence of the full length; else ConfigError (a family whose forward scales,
+    caps or masks what its modules do not)."""
+    positions = getattr(model.config, "max_position_embeddings", 16)
+    vocab = model.config.vocab_size
+    probe = torch.randint(vocab, (1, positions), generator=torch.Generator().manual_seed(0))
+    probe = probe.to(next(model.parameters()).device)
+    was_training = model.training
+    model.eval()
+    try:
+        own = model.__dict__["_hf"](input_ids=probe, use_cache=False).logits
+        x = probe
+        for layer in layers:
+            x = layer(x)
+    finally:
+        model.train(was_training)
+    scale = float(own.abs().max()) or 1.0
+    diff = float((x - own).abs().max())
+    if not diff <= 1e-5 * scale:
+        raise ConfigError(
+            f"model.hf.model_type={model.family}: its base_model_pp_plan's layers in order "
+            f"differ from its own forward by {diff:.3g} (logits up to {scale:.3g}): its forward "
+            "does more than the plan says (scaling, soft-capping, a sliding window shorter "
+            "than model.block_size); use strategy.kind ddp, zero, fsdp or ps for it"
+        )
 
 
 def _gpt2_layers(model: nn.Module) -> list[nn.Module]:
@@ -198,14 +292,14 @@ class HFCausalLM(nn.Module):
         that activation checkpointing installs) lasts; one whose modules were replaced is
         built anew.
         """
-        build = FAMILIES[self.family].layers if self.family in FAMILIES else None
-        if build is None:
-            raise ConfigError(
-                f"model.hf.model_type={self.family} runs its own Hugging Face forward, and "
-                f"trainstack has pipeline layers for {', '.join(sorted(FAMILIES))} only; use "
-                "strategy.kind ddp, zero, fsdp or ps for it"
-            )
-        fresh = build(self)
+        if self.family in FAMILIES:
+            build = FAMILIES[self.family].layers
+            assert build is not None
+            fresh = build(self)
+        else:
+            fresh = plan_layers(self)
+            if not self._kept_layers:  # checked once, on the first build
+                check_plan_layers(self, fresh)
         kept = self._kept_layers
         layers = [
             kept[i] if i < len(kept) and _wraps_same(kept[i], layer) else layer
