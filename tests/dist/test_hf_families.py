@@ -7,7 +7,9 @@ HF's own forward in tests/unit/test_hf_models.py.)
 DDP on 2 workers = one process in float64; FSDP2 over the family's `_no_split_modules`
 blocks = one process for the dense model and the mixture of experts; a 2-stage pipeline
 cut by the family's own `base_model_pp_plan` = one process for qwen2, olmo2 and the
-mixture of experts (its balance loss off: a pipeline's stages do not gather it)."""
+mixture of experts (its balance loss off: a pipeline's stages do not gather it); tensor
+parallelism over 2 ranks by the family's own `base_model_tp_plan` = one process for
+qwen2 (column/row), olmo2 and phi3 (fused projections gathered, then split)."""
 
 from __future__ import annotations
 
@@ -127,4 +129,17 @@ def test_a_pipeline_cut_by_the_familys_plan_matches_one_process(
     staged = weights_after(raw, tmp_path / "pp-out")
     diff = max_difference(staged, reference)
     print(f"{family} pipeline 2 vs one process: {diff:.3g}")
+    assert diff < FP64_BOUND
+
+
+@pytest.mark.parametrize("family", ["qwen2", "olmo2", "phi3"])
+def test_tensor_parallel_by_the_familys_plan_matches_one_process(
+    family: str, tmp_path: Path
+) -> None:
+    raw = spec(family, tmp_path / "tp", strategy="fsdp", workers=2)
+    raw["strategy"]["tensor_parallel"] = 2
+    reference = one_process(raw, tmp_path / "one-out")
+    split = weights_after(raw, tmp_path / "tp-out")
+    diff = max_difference(split, reference)
+    print(f"{family} tp 2 vs one process: {diff:.3g}")
     assert diff < FP64_BOUND

@@ -504,3 +504,29 @@ def test_a_family_whose_plan_does_not_compute_its_forward_is_refused_for_a_pipel
     with pytest.raises(ConfigError) as refused:  # what pre-flight and the stages call
         check_pipeline_model(pipeline, model)
     assert words in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("family", "hf", "degree", "words"),
+    [
+        ("qwen3", {}, 2, "splits layers.*.self_attn.q_norm as replicated_with_grad_allreduce"),
+        ("mixtral", {"num_local_experts": 4}, 2, "as packed_colwise, which trainstack does not"),
+        ("qwen2", {}, 3, "tensor_parallel=3 does not divide qwen2's vocab_size = 16"),
+        (
+            "qwen2",
+            {"intermediate_size": 65},
+            2,
+            "does not divide qwen2's mlp.gate_proj.out_features = 65",
+        ),
+    ],
+)
+def test_a_tensor_parallel_plan_trainstack_cannot_apply_is_refused_in_one_line(
+    family: str, hf: dict[str, Any], degree: int, words: str
+) -> None:
+    from trainstack.strategies.tensor_parallel import check_tensor_parallel
+
+    model = plan_model(family, **hf)
+    with pytest.raises(ConfigError) as refused:
+        check_tensor_parallel(model, degree)
+    assert words in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
+    check_tensor_parallel(plan_model("olmo2"), 2)  # a plan that applies, sizes that divide

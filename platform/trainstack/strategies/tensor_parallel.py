@@ -14,15 +14,20 @@ vocabulary and stays tied to the token embedding (both hold rows of the same [V,
 table, sharded the same way). With `loss_parallel` the logits stay vocabulary-sharded
 and cross-entropy runs on the shards (`torch.distributed.tensor.parallel.loss_parallel`).
 
-A Hugging Face Llama (`model.kind: hf`, model_type llama) gets the same column/row
-split of its attention (grouped key/value heads included) and SwiGLU MLP, without
-sequence parallelism: its rotary embeddings are computed from the sequence a layer
-sees, so the residual stream stays whole on every rank (one all-reduce after each
-row-parallel layer) and its RMSNorm weights are replicated DTensors.
+A Hugging Face causal LM (`model.kind: hf`) is split by its own plan: the decoder
+layers by the family's `base_model_tp_plan` (`colwise`, `rowwise`, and the
+`colwise_gather_output` / `rowwise_split_input` pairs of fused projections, as torch's
+column- and row-parallel styles), the LM head by its `_tp_plan` (column-parallel over
+the vocabulary), the token embedding row-parallel, and every other parameter (the
+norms) replicated: its rotary embeddings are computed from the sequence a layer sees,
+so there is no sequence parallelism and the residual stream stays whole on every rank
+(one all-reduce after each row-parallel layer). A plan style not listed here (a
+norm over one rank's heads, `replicated_with_grad_allreduce`; experts split inside,
+`packed_colwise`, `moe_tp_experts`) is refused in one line naming it.
 
 The spec's checks (`config.layout`) refuse other models and GPT sizes the degree does
-not divide before anything starts; pre-flight checks a Llama's sizes on the built model
-(`check_tensor_parallel`).
+not divide before anything starts; pre-flight checks a Hugging Face model's plan and
+sizes on the built model (`check_tensor_parallel`).
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ from trainstack.models.hf import HFCausalLM
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:
     """Shard `model`'s layers over `tp_mesh` in place (its parameters become DTensors)."""
     if isinstance(model, HFCausalLM):
-        _parallelize_llama(model, tp_mesh, loss_parallel=loss_parallel)
+        _parallelize_hf(model, tp_mesh, loss_parallel=loss_parallel)
         return
     assert isinstance(model, GPT), "config.layout admits tensor parallelism for GPT and hf"
     # The GPT's pipeline layers hold its own modules: sharding them shards the model.
@@ -98,54 +103,82 @@ def check_model_splits(cfg: JobConfig, model: nn.Module) -> None:
     check_tensor_parallel(model, cfg.strategy.tensor_parallel)
 
 
+HF_STYLES: dict[str, Any] = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+}
+"""The `base_model_tp_plan` styles trainstack applies, as torch's parallel styles."""
+SPLITS = {"colwise": "out_features", "colwise_gather_output": "out_features"}
+"""Which size of a Linear each style splits (the rest: in_features)."""
+
+
+def hf_layer_plan(model: HFCausalLM) -> dict[str, str]:
+    """The family's `base_model_tp_plan` for one decoder layer (`layers.*.` dropped);
+    ConfigError for a family without one or a style trainstack does not apply yet."""
+    plan = getattr(model.config, "base_model_tp_plan", None) or {}
+    if not plan:
+        raise ConfigError(
+            f"strategy.tensor_parallel needs the model's base_model_tp_plan, and "
+            f"model.hf.model_type={model.family} declares none; use strategy.tensor_parallel=1"
+        )
+    layer: dict[str, str] = {}
+    for pattern, style in plan.items():
+        if style not in HF_STYLES:
+            raise ConfigError(
+                f"model.hf.model_type={model.family}: its base_model_tp_plan splits {pattern} "
+                f"as {style}, which trainstack does not apply yet (it does: "
+                f"{', '.join(HF_STYLES)}); use strategy.tensor_parallel=1"
+            )
+        if not pattern.startswith("layers.*."):
+            raise ConfigError(
+                f"model.hf.model_type={model.family}: its base_model_tp_plan names {pattern}, "
+                "outside the decoder layers; use strategy.tensor_parallel=1"
+            )
+        layer[pattern.removeprefix("layers.*.")] = style
+    return layer
+
+
 def check_tensor_parallel(model: nn.Module, degree: int) -> None:
-    """Raise ConfigError unless `degree` divides every size a Llama's plan splits (a GPT's
-    sizes are checked with the spec)."""
+    """Raise ConfigError unless a Hugging Face model's plan applies and `degree` divides
+    every size it splits (a GPT's sizes are checked with the spec)."""
     if degree == 1 or not isinstance(model, HFCausalLM):
         return
-    if model.family != "llama":
-        raise ConfigError(
-            f"strategy.tensor_parallel={degree} has a plan for the hf model_type llama; "
-            f"{model.family} has none (use strategy.tensor_parallel=1)"
-        )
-    config = model.config
-    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
-        value = getattr(config, key)
+    plan = hf_layer_plan(model)
+    body = model.__dict__["_hf"].get_submodule(model.__dict__["_hf"].base_model_prefix)
+    first = cast(nn.ModuleList, body.get_submodule("layers"))[0]
+    sizes = {"vocab_size": model.config.vocab_size}
+    for name, style in plan.items():
+        linear = first.get_submodule(name)
+        key = SPLITS.get(style, "in_features")
+        sizes[f"{name}.{key}"] = getattr(linear, key)
+    for what, value in sizes.items():
         if value % degree:
             raise ConfigError(
-                f"model.hf.{key}={value} is not divisible by strategy.tensor_parallel={degree}; "
-                f"allowed: a tensor_parallel that divides {value}"
+                f"strategy.tensor_parallel={degree} does not divide {model.family}'s {what} = "
+                f"{value}, which its plan splits; allowed: a tensor_parallel that divides {value}"
             )
 
 
-def _parallelize_llama(model: HFCausalLM, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:
-    body = model.get_submodule("model")
+def _parallelize_hf(model: HFCausalLM, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:
+    plan = {name: HF_STYLES[style]() for name, style in hf_layer_plan(model).items()}
+    hf = model.__dict__["_hf"]
+    body = hf.get_submodule(hf.base_model_prefix)
     parallelize_module(
         body,
         tp_mesh,
         {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())},
     )
-    _replicate(body.get_submodule("norm"), tp_mesh)
     for layer in cast(nn.ModuleList, body.get_submodule("layers")):
-        parallelize_module(layer, tp_mesh, llama_layer_plan())
-        _replicate(layer.get_submodule("input_layernorm"), tp_mesh)
-        _replicate(layer.get_submodule("post_attention_layernorm"), tp_mesh)
+        parallelize_module(layer, tp_mesh, plan)
     parallelize_module(model, tp_mesh, {"lm_head": _vocabulary_head(loss_parallel, Replicate())})
     if model.config.tie_word_embeddings:
         model.get_submodule("lm_head").weight = body.get_submodule("embed_tokens").weight
-
-
-def llama_layer_plan() -> dict[str, ParallelStyle]:
-    """A Llama decoder layer: column-parallel q/k/v and gate/up, row-parallel o and down."""
-    return {
-        "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(),
-        "self_attn.o_proj": RowwiseParallel(),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(),
-    }
+    for module in list(model.modules()):  # the rest (norms): whole on every rank
+        own = list(module.parameters(recurse=False))
+        if own and not any(isinstance(p, DTensor) for p in own):
+            _replicate(module, tp_mesh)
 
 
 def _replicate(module: nn.Module, tp_mesh: DeviceMesh) -> None:
