@@ -17,8 +17,9 @@ if TYPE_CHECKING:
 TENSOR_PARALLEL_MODELS: tuple[str, ...] = tuple(
     k.name for k in MODEL_KINDS.values() if k.tensor_parallel
 )
-"""Model kinds with a tensor-parallel plan (`strategies/tensor_parallel.py`; hf: llama,
-its sizes checked in pre-flight on the built model)."""
+"""Model kinds with a tensor-parallel plan (`strategies/tensor_parallel.py`; hf: the
+family's `base_model_tp_plan`, its styles and sizes checked in pre-flight on the built
+model)."""
 MAX_DEGREE = 4096
 
 
