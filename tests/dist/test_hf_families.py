@@ -1,7 +1,7 @@
 """Hugging Face causal-LM families without pipeline layers in trainstack run their own
-forward and train like any model: tiny random configs (nothing downloaded) of a dense
-GQA model (qwen2), one with norms on queries and keys (olmo2), one with fused
-projections (phi3) and a mixture of experts (mixtral). (Gemma's norms compute in float32
+forward and train like any model: tiny random configs (nothing downloaded) of dense
+GQA models (qwen2, mistral), ones with norms on queries and keys (qwen3 per head, olmo2
+over the width), one with fused projections (phi3) and a mixture of experts (mixtral). (Gemma's norms compute in float32
 whatever the weights' precision, so a float64 bound does not hold for it: it is held to
 HF's own forward in tests/unit/test_hf_models.py.)
 DDP on 2 workers = one process in float64; FSDP2 over the family's `_no_split_modules`
@@ -9,7 +9,9 @@ blocks = one process for the dense model and the mixture of experts; a 2-stage p
 cut by the family's own `base_model_pp_plan` = one process for qwen2, olmo2 and the
 mixture of experts (its balance loss off: a pipeline's stages do not gather it); tensor
 parallelism over 2 ranks by the family's own `base_model_tp_plan` = one process for
-qwen2 (column/row), olmo2 and phi3 (fused projections gathered, then split)."""
+qwen2 (column/row), olmo2 and phi3 (fused projections gathered, then split). The
+qwen2 runs under tensor parallelism and the pipeline export (`trainstack export
+--hf-dir`) to folders transformers loads with the trained logits."""
 
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ WIDTHS = {
 }
 FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2": WIDTHS,
+    "qwen3": WIDTHS,  # norms on each head's queries and keys
+    "mistral": WIDTHS,
     "olmo2": WIDTHS,
     "phi3": WIDTHS,
     # the eager experts: grouped matmuls take no float64; its balance loss in the training
@@ -130,6 +134,8 @@ def test_a_pipeline_cut_by_the_familys_plan_matches_one_process(
     diff = max_difference(staged, reference)
     print(f"{family} pipeline 2 vs one process: {diff:.3g}")
     assert diff < FP64_BOUND
+    if family == "qwen2":
+        assert_exported_logits(raw, staged, tmp_path / "export")
 
 
 @pytest.mark.parametrize("family", ["qwen2", "olmo2", "phi3"])
@@ -143,3 +149,31 @@ def test_tensor_parallel_by_the_familys_plan_matches_one_process(
     diff = max_difference(split, reference)
     print(f"{family} tp 2 vs one process: {diff:.3g}")
     assert diff < FP64_BOUND
+    if family == "qwen2":
+        assert_exported_logits(raw, split, tmp_path / "export")
+
+
+def assert_exported_logits(
+    raw: dict[str, Any], trained: dict[str, torch.Tensor], out: Path
+) -> None:
+    """`trainstack export` of the run's last checkpoint: transformers loads the folder and
+    computes the trained weights' logits (not the initial ones')."""
+    from transformers import AutoModelForCausalLM
+
+    from trainstack import checkpoint as ckpt
+    from trainstack.cli import main
+
+    cfg = config_from_dict(raw)
+    final = ckpt.run_dir_for(cfg) / ckpt.dir_name(STEPS)
+    assert (
+        main(["export", str(final), "--out", str(out / "m.pt"), "--hf-dir", str(out / "hf")]) == 0
+    )
+    loaded = AutoModelForCausalLM.from_pretrained(out / "hf").eval()
+    model = build_model(cfg.model, vocab_size=16, seed=0).to(torch.float64).eval()
+    initial = model(x := torch.randint(16, (2, 16)))
+    model.load_state_dict(trained)
+    with torch.no_grad():
+        ours, theirs = model(x), loaded.to(torch.float64)(input_ids=x).logits
+    print(f"exported logits vs trained: {float((theirs - ours).abs().max()):.3g}")
+    assert torch.allclose(theirs, ours, atol=1e-5, rtol=0)  # the folder holds fp32 weights
+    assert not torch.allclose(theirs, initial, atol=1e-3, rtol=0)
