@@ -33,14 +33,17 @@ CHATML = (
 )
 
 
-def write_model(folder: Path) -> None:
-    """The tokenizer and a randomly initialised tiny Llama, as one pretrained folder."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+SPECIALS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
+"""Ids 0 to 3; the words follow."""
 
-    specials = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
-    vocab = {word: i for i, word in enumerate([*specials, *WORDS])}
+
+def write_tokenizer(folder: Path, words: list[str], *, template: str | None = CHATML) -> None:
+    """A word-level tokenizer over `words` (ids after `SPECIALS`), ChatML's turn markers
+    and `template` (None: no chat template), saved as a Hugging Face tokenizer folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {word: i for i, word in enumerate([*SPECIALS, *words])}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(
@@ -50,7 +53,18 @@ def write_model(folder: Path) -> None:
         eos_token="<|im_end|>",
         additional_special_tokens=["<|im_start|>"],
     )
-    tokenizer.chat_template = CHATML
+    if template is not None:
+        tokenizer.chat_template = template
+    tokenizer.save_pretrained(folder)
+
+
+def write_model(folder: Path) -> None:
+    """The tokenizer and a randomly initialised tiny Llama, as one pretrained folder."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    write_tokenizer(folder, WORDS)
+    vocab = {word: i for i, word in enumerate([*SPECIALS, *WORDS])}
     torch.manual_seed(SEED)
     config = LlamaConfig(
         vocab_size=len(vocab),
@@ -64,7 +78,6 @@ def write_model(folder: Path) -> None:
         eos_token_id=vocab["<|im_end|>"],
     )
     LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
 
 
 def conversation(rng: random.Random) -> dict[str, object]:

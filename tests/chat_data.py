@@ -1,5 +1,6 @@
-"""A tiny chat tokenizer and conversations, made in the test (no downloads): a word-level
-Hugging Face tokenizer with ChatML's turn markers and template."""
+"""A tiny chat tokenizer and conversations, made in the test (no downloads): the
+example's word-level Hugging Face tokenizer (examples/prepare_chat.py) over a few
+words, with ChatML's turn markers and template."""
 
 from __future__ import annotations
 
@@ -7,43 +8,25 @@ import json
 from pathlib import Path
 from typing import Any
 
+from prepare_chat import CHATML, SPECIALS, write_tokenizer
+
 WORDS = [
     "system", "user", "assistant", "you", "are", "kind", "hi", "hello", "how", "is", "it",
     "fine", "thanks", "what", "two", "plus", "three", "five", "four", "one", "and", "the",
     "sum", "of", "equals", "please", "add",
 ]  # fmt: skip
-SPECIAL = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 def make_tokenizer(folder: Path, *, template: str | None = CHATML) -> Path:
-    """A word-level tokenizer over `WORDS` (ids: the 4 specials, then the words) saved as
-    a Hugging Face tokenizer folder, with the ChatML template unless `template` is None."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {word: i for i, word in enumerate([*SPECIAL, *WORDS])}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        pad_token="<pad>",
-        unk_token="<unk>",
-        eos_token="<|im_end|>",
-        additional_special_tokens=["<|im_start|>"],
-    )
-    if template is not None:
-        tokenizer.chat_template = template
-    tokenizer.save_pretrained(folder)
+    """The tokenizer over `WORDS` (ids: the 4 specials, then the words), with the ChatML
+    template unless `template` is None."""
+    write_tokenizer(folder, WORDS, template=template)
     return folder
 
 
 def ids(text: str) -> list[int]:
     """The ids of space-separated words and specials, as `make_tokenizer`'s vocabulary has them."""
-    table = {word: i for i, word in enumerate([*SPECIAL, *WORDS])}
+    table = {word: i for i, word in enumerate([*SPECIALS, *WORDS])}
     return [table[w] for w in text.split()]
 
 

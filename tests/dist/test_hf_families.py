@@ -1,9 +1,9 @@
 """Hugging Face causal-LM families without pipeline layers in trainstack run their own
 forward and train like any model: tiny random configs (nothing downloaded) of dense
 GQA models (qwen2, mistral), ones with norms on queries and keys (qwen3 per head, olmo2
-over the width), one with fused projections (phi3) and a mixture of experts (mixtral). (Gemma's norms compute in float32
-whatever the weights' precision, so a float64 bound does not hold for it: it is held to
-HF's own forward in tests/unit/test_hf_models.py.)
+over the width), one with fused projections (phi3) and a mixture of experts (mixtral).
+(Gemma's norms compute in float32 whatever the weights' precision, so a float64 bound
+does not hold for it: it is held to HF's own forward in tests/unit/test_hf_models.py.)
 DDP on 2 workers = one process in float64; FSDP2 over the family's `_no_split_modules`
 blocks = one process for the dense model and the mixture of experts; a 2-stage pipeline
 cut by the family's own `base_model_pp_plan` = one process for qwen2, olmo2 and the

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from trainstack.config import ConfigError, DataConfig
-from trainstack.data.indexed import EpochOrder, IndexedCorpus
+from trainstack.data.indexed import ByLength, EpochOrder, IndexedCorpus
 from trainstack.data.sharding import Batch
 from trainstack.data.tokens import files_fingerprint, held_out_size
 
@@ -233,7 +233,7 @@ class ChatSamples:
 
 
 @dataclass(kw_only=True)
-class ChatCorpus:
+class ChatCorpus(ByLength):
     """A `sharding.Corpus` over chat files: one `IndexedCorpus` per sequence length."""
 
     cfg: DataConfig
@@ -285,16 +285,3 @@ class ChatCorpus:
                 fingerprint=self.fingerprint,
             )
         return self._by_length[seq_len]
-
-    def train_batch(self, start: int, count: int, *, seq_len: int) -> Batch:
-        return self.at(seq_len).train_batch(start, count, seq_len=seq_len)
-
-    def held_out_batch(self, count: int, *, seq_len: int) -> Batch:
-        return self.at(seq_len).held_out_batch(count, seq_len=seq_len)
-
-    def loss_floor(self, seq_len: int) -> float | None:
-        """Unknown for real data."""
-        return None
-
-    def epoch(self, samples_seen: int, *, seq_len: int) -> int:
-        return self.at(seq_len).epoch(samples_seen, seq_len=seq_len)

@@ -90,3 +90,25 @@ class IndexedCorpus:
 
     def epoch(self, samples_seen: int, *, seq_len: int) -> int:
         return self.order.epoch(samples_seen)
+
+
+class ByLength:
+    """A `sharding.Corpus` whose samples depend on the sequence length (file sources that
+    cut or pad to it): one `IndexedCorpus` per length, which `at` builds on first use."""
+
+    def at(self, seq_len: int) -> IndexedCorpus:
+        raise NotImplementedError
+
+    def train_batch(self, start: int, count: int, *, seq_len: int) -> Batch:
+        return self.at(seq_len).train_batch(start, count, seq_len=seq_len)
+
+    def held_out_batch(self, count: int, *, seq_len: int) -> Batch:
+        return self.at(seq_len).held_out_batch(count, seq_len=seq_len)
+
+    def loss_floor(self, seq_len: int) -> float | None:
+        """Unknown for real data."""
+        return None
+
+    def epoch(self, samples_seen: int, *, seq_len: int) -> int:
+        """The epoch the next sample after `samples_seen` belongs to, at this length."""
+        return self.at(seq_len).epoch(samples_seen, seq_len=seq_len)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from trainstack.config import ConfigError, DataConfig
-from trainstack.data.indexed import EpochOrder, IndexedCorpus
+from trainstack.data.indexed import ByLength, EpochOrder, IndexedCorpus
 from trainstack.data.sharding import Batch
 
 HEADER_MAGIC = 20240520
@@ -188,7 +188,7 @@ class TokenWindows:
 
 
 @dataclass(kw_only=True)
-class TokenCorpus:
+class TokenCorpus(ByLength):
     """A `sharding.Corpus` over token files: one `IndexedCorpus` per sequence length."""
 
     train: tuple[TokenFile, ...]
@@ -253,20 +253,6 @@ class TokenCorpus:
                 fingerprint=self.fingerprint,
             )
         return self._by_length[seq_len]
-
-    def train_batch(self, start: int, count: int, *, seq_len: int) -> Batch:
-        return self.at(seq_len).train_batch(start, count, seq_len=seq_len)
-
-    def held_out_batch(self, count: int, *, seq_len: int) -> Batch:
-        return self.at(seq_len).held_out_batch(count, seq_len=seq_len)
-
-    def loss_floor(self, seq_len: int) -> float | None:
-        """Unknown for real data."""
-        return None
-
-    def epoch(self, samples_seen: int, *, seq_len: int) -> int:
-        """The epoch the next sample after `samples_seen` belongs to, at this length."""
-        return self.at(seq_len).epoch(samples_seen, seq_len=seq_len)
 
 
 def token_corpus(
