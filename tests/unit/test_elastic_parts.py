@@ -157,7 +157,12 @@ def test_resizes_are_told_apart_from_same_size_restarts() -> None:
         follower.handle(record)
     follower.handle(failure)
     follower.handle(start(1, 16))
+    # a shrink whose failure event reaches the queue only after the new group's start
+    for record in [{"step": 20}, start(3, 20), {"step": 24}, start(2, 24), failure]:
+        follower.handle(record)
     assert follower.resizes == [
         {"step": 8, "from": 2, "to": 3, "reason": "room for more workers"},
         {"step": 16, "from": 3, "to": 1, "reason": "workers lost"},
+        {"step": 20, "from": 1, "to": 3, "reason": "room for more workers"},
+        {"step": 24, "from": 3, "to": 2, "reason": "workers lost"},
     ]

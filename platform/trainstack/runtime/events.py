@@ -76,7 +76,8 @@ class RunFollower:
     before it."""
     resizes: list[dict[str, Any]] = field(default_factory=list)
     """Elastic resizes: the step the new group resumed from, its size before and after,
-    and why (`workers lost` after a failure, else `room for more workers`)."""
+    and why (`workers lost` after a failure or when it shrank, else `room for more
+    workers`)."""
     last_step: int = 0
     """The newest step the current attempt is known to have finished: its last logged
     step, its first step, or the step it resumed from."""
@@ -159,7 +160,10 @@ class RunFollower:
         before, now = self.starts[-2].world_size, start.world_size
         if before == now:
             return
-        lost = any(attempt == len(self.starts) - 2 for attempt, _, _ in self.failures)
+        # A group shrinks only when workers are gone; the controller's failure event may
+        # also reach the queue after the new group's start (seen on a 3 -> 1 resize).
+        failed = any(attempt == len(self.starts) - 2 for attempt, _, _ in self.failures)
+        lost = failed or now < before
         step = start.resumed_from_step
         resize = {
             "step": step,
