@@ -443,9 +443,8 @@ PLAN_WIDTHS = {
 
 
 def plan_model(family: str, **hf: Any) -> Any:
-    widths = (
-        PLAN_WIDTHS if family != "falcon" else {"num_hidden_layers": 2, "num_attention_heads": 4}
-    )
+    falcon = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
+    widths = PLAN_WIDTHS if family != "falcon" else falcon
     raw = {
         "model": {"kind": "hf", "hf": {"model_type": family, **widths, **hf}, "block_size": 16},
         "data": {"vocab_size": 16},
