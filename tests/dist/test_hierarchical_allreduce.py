@@ -91,6 +91,24 @@ def test_auto_measures_both_levels_and_takes_what_the_model_says_is_faster(
     assert ("cross_node_bytes_per_step" in summary) == (chose["chosen"] == "hierarchical")
 
 
+def test_hierarchical_on_one_node_is_the_flat_all_reduce_compressed_or_not(
+    tmp_path: Path,
+) -> None:
+    """With every rank on one node there is one level: DDP's all-reduce, or the
+    compression hook on it (registering both once made setup fail)."""
+    for kind in ("none", "fp16"):
+        runs = []
+        for allreduce in ("flat", "hierarchical"):
+            raw = spec(tmp_path / f"{kind}-{allreduce}", allreduce=allreduce, workers=2)
+            raw["compression"] = {"kind": kind}
+            raw["train"]["precision"] = "fp32"
+            out = tmp_path / f"{kind}-{allreduce}-out"
+            summary = run_processes(config_from_dict(raw), world_size=2, out_dir=out)
+            assert "cross_node_bytes_per_step" not in summary
+            runs.append(torch.load(out / "model.pt", weights_only=True))
+        assert max_difference(*runs) == 0
+
+
 def test_auto_stays_flat_when_every_rank_has_a_node_of_its_own(tmp_path: Path) -> None:
     raw = spec(tmp_path, allreduce="auto", workers=2)
     summary = run_processes(

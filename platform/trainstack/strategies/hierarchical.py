@@ -65,11 +65,13 @@ def nodes_of_ranks(node: str) -> list[str]:
 
 def two_levels_possible(choice: str, nodes: list[str]) -> bool:
     """Whether `strategy.allreduce` (`flat`, `hierarchical` or `auto`) may reduce in two
-    levels on ranks placed on `nodes` (auto: several nodes, one of them shared; it then
-    measures before it decides)."""
+    levels on ranks placed on `nodes`: never on one node, where there is one level only
+    (DDP's own all-reduce, or a compression hook, runs); auto also needs a node that
+    holds several ranks, and then measures before it decides."""
+    count = len(set(nodes))
     if choice == "auto":
-        return 1 < len(set(nodes)) < len(nodes)
-    return choice == "hierarchical"
+        return 1 < count < len(nodes)
+    return choice == "hierarchical" and count > 1
 
 
 PROBE_BYTES = (64 * 2**10, 512 * 2**10, 2 * 2**20)
@@ -170,7 +172,8 @@ class HierarchicalAllReduce:
 
     def __init__(self, groups: NodeGroups, *, world_size: int, compressed: bool) -> None:
         self.groups, self.world_size = groups, world_size
-        self.compressed = compressed and groups.nodes > 1
+        assert groups.nodes > 1, "one node has one level: two_levels_possible"
+        self.compressed = compressed
         """Whether the leaders' level is compressed (the same on every rank)."""
         self.across: BucketHook | None = None
         """The compression hook over the leaders' group (leaders of a compressed run)."""
@@ -197,7 +200,7 @@ class HierarchicalAllReduce:
             self.across.communicate(None, bucket).wait()
             if bucket.is_last():
                 self.cross_node_bytes += self.across.stats.wire_bytes(g.nodes)
-        elif g.leaders is not None and g.nodes > 1:
+        elif g.leaders is not None:
             dist.all_reduce(grads, group=g.leaders)
             self.cross_node_bytes += ring_allreduce_bytes(
                 grads.numel(), element_size=grads.element_size(), world_size=g.nodes
