@@ -37,11 +37,10 @@ from typing import Any, cast
 import numpy as np
 import ray
 
-from trainstack.compression import ErrorFeedback, build_compressor
 from trainstack.config import JobConfig, config_from_dict
 from trainstack.ps.clock import ActorNames
 from trainstack.ps.partition import ShardLayout
-from trainstack.ps.shard import Pulled, encode_push
+from trainstack.ps.shard import Pulled, encode_push, push_codecs
 
 
 def clock_lag_bound(cfg: JobConfig) -> float:
@@ -103,14 +102,7 @@ class LocalServer:
         self.layouts = layouts
         self.workers = workers
         self.shards: list[Any] = [names.find(names.shard(i)) for i in range(len(layouts))]
-        compression = cfg.compression
-        self.compressors = [
-            build_compressor(compression, seed=cfg.train.seed, rank=self.sender)
-            if compression.kind != "none"
-            else None
-            for _ in layouts
-        ]
-        self.feedback = [ErrorFeedback(enabled=compression.error_feedback) for _ in layouts]
+        self.compressors, self.feedback = push_codecs(cfg, shards=len(layouts), rank=self.sender)
         self.waiting = _Sum(len(layouts))
         """async, ssp: the worker steps summed since the last send."""
         self.rounds: dict[int, _Sum] = {}
@@ -121,16 +113,13 @@ class LocalServer:
         self.syncs = 0
         self.bytes_sent = 0
         self.dense_bytes = 0
-        self.bytes_received = 0
-        self._take(cast(list[Pulled], ray.get([shard.pull.remote() for shard in self.shards])))
+        self.cache = self._pull_shards()
 
     def pull(self, clock: int) -> list[Pulled]:
         """The parameters for a worker at `clock`: the cached ones, unless they were taken
         more than `max_local_staleness` clocks before it (then sync first)."""
         if clock - self.cache_clock > self.cfg.strategy.max_local_staleness:
-            self._send(self.waiting, clock=clock, take=True)
-            self.waiting = _Sum(len(self.layouts))
-            self.cache_clock = max(self.cache_clock, clock)
+            self._sync(clock)
         return self.cache
 
     def push(
@@ -139,7 +128,6 @@ class LocalServer:
         """Take `worker`'s dense gradient of step `clock` (one flat array per shard,
         computed from shard versions `versions`); send when the rule says; return the
         shard versions this server knows of now."""
-        self.bytes_received += sum(flat.nbytes for flat in flats)
         if self.cfg.strategy.consistency == "bsp":
             held = self.rounds.setdefault(clock, _Sum(len(self.layouts)))
             held.add(worker, clock, versions, flats)
@@ -148,24 +136,30 @@ class LocalServer:
         else:
             self.waiting.add(worker, clock, versions, flats)
             if len(self.waiting.steps) >= self.cfg.strategy.sync_every:
-                self._send(self.waiting, clock=clock, take=True)
-                self.waiting = _Sum(len(self.layouts))
-                self.cache_clock = max(self.cache_clock, clock)
+                self._sync(clock)
         return [version for version, _, _ in self.cache]
 
     def flush(self) -> None:
         """Send what is held (the run's end)."""
         if self.waiting.steps:
-            self._send(self.waiting, clock=max(c for _, c in self.waiting.steps), take=True)
+            self._sync(max(c for _, c in self.waiting.steps))
+
+    def _sync(self, clock: int) -> None:
+        """Send the steps summed since the last sync (if any) and take the shards'
+        parameters, as those of a worker at `clock`."""
+        if self.waiting.steps:
+            self._send(self.waiting, clock=clock, take=True)
             self.waiting = _Sum(len(self.layouts))
+        else:
+            self.cache = self._pull_shards()
+        self.cache_clock = max(self.cache_clock, clock)
+
+    def _pull_shards(self) -> list[Pulled]:
+        return cast(list[Pulled], ray.get([shard.pull.remote() for shard in self.shards]))
 
     def _send(self, held: _Sum, *, clock: int, take: bool) -> None:
-        """Send the mean of `held`'s steps to every shard as one update (nothing held:
-        only take the parameters, with `take`)."""
-        if not held.steps:
-            if take:
-                self._take(cast(list[Pulled], ray.get([s.pull.remote() for s in self.shards])))
-            return
+        """Send the mean of `held`'s steps to every shard as one update; with `take`, keep
+        the parameters they answer with."""
         count = len(held.steps)
         refs = []
         for i, (shard, layout) in enumerate(zip(self.shards, self.layouts, strict=True)):
@@ -199,10 +193,7 @@ class LocalServer:
         answers = ray.get(refs)
         self.syncs += 1
         if take:
-            self._take(answers)
-
-    def _take(self, pulled: list[Pulled]) -> None:
-        self.cache = list(pulled)
+            self.cache = answers
 
     def report(self) -> dict[str, Any]:
         return {
@@ -211,5 +202,4 @@ class LocalServer:
             "syncs": self.syncs,
             "bytes_sent": self.bytes_sent,
             "dense_bytes": self.dense_bytes,
-            "bytes_received": self.bytes_received,
         }

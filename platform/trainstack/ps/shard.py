@@ -35,7 +35,7 @@ from torch import nn
 
 from trainstack.checkpoint import save_atomically
 from trainstack.compression import ErrorFeedback, Payload, build_compressor
-from trainstack.config import config_from_dict
+from trainstack.config import JobConfig, config_from_dict
 from trainstack.faults import first_firing
 from trainstack.files import file_sha256, write_text_atomically
 from trainstack.models import build_model
@@ -148,13 +148,12 @@ class ParameterServerShard:
             if sum(len(held) for _, held in waiting) == self.workers:
                 self._apply(_round_mean(self.pending.pop(clock)), clock=clock, staleness=0)
                 self._took_in([step for _, held in waiting for step in held])
-        elif (
-            self.cfg.strategy.reject_beyond_bound and staleness > self.cfg.strategy.staleness_bound
-        ):
-            self.rejected += 1
-            self._took_in(steps)
         else:
-            self._apply(flat, clock=clock, staleness=staleness)
+            s = self.cfg.strategy
+            if s.reject_beyond_bound and staleness > s.staleness_bound:
+                self.rejected += 1
+            else:
+                self._apply(flat, clock=clock, staleness=staleness)
             self._took_in(steps)
         self.apply_s += time.perf_counter() - start
         self.telemetry.record_push(staleness=staleness, sent_at=sent_at)
@@ -274,6 +273,18 @@ def _round_mean(pushes: list[tuple[torch.Tensor, list[tuple[int, int]]]]) -> tor
         return torch.stack([flat for flat, _ in pushes]).mean(0)
     total = sum(len(steps) for _, steps in pushes)
     return torch.stack([flat * len(steps) for flat, steps in pushes]).sum(0) / total
+
+
+def push_codecs(cfg: JobConfig, *, shards: int, rank: int) -> tuple[list[Any], list[ErrorFeedback]]:
+    """The compressor (None: dense) and error feedback of each shard's pushes, for the
+    sender `rank` (a worker, or a local server after the workers), as `_decode` on the
+    shard rebuilds them."""
+    c = cfg.compression
+    compressors = [
+        build_compressor(c, seed=cfg.train.seed, rank=rank) if c.kind != "none" else None
+        for _ in range(shards)
+    ]
+    return compressors, [ErrorFeedback(enabled=c.error_feedback) for _ in range(shards)]
 
 
 def encode_push(

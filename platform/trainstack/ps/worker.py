@@ -25,7 +25,6 @@ from typing import Any, cast
 import ray
 import torch
 
-from trainstack.compression import ErrorFeedback, build_compressor
 from trainstack.config import config_from_dict
 from trainstack.data import build_corpus
 from trainstack.data.sharding import ShardedBatches
@@ -35,7 +34,7 @@ from trainstack.observe.prometheus import PsWorkerTelemetry
 from trainstack.observe.throughput import peak_memory_bytes
 from trainstack.ps.clock import ActorNames
 from trainstack.ps.partition import ShardLayout
-from trainstack.ps.shard import Pulled, encode_push
+from trainstack.ps.shard import Pulled, encode_push, push_codecs
 from trainstack.strategies.base import apply_compile, autocast, to_device
 from trainstack.tasks import build_task
 
@@ -77,14 +76,7 @@ class ParameterServerWorker:
             world_size=cfg.scaling.num_workers,
             samples_seen=self.clock * cfg.train.global_batch_size,
         )
-        compression = cfg.compression
-        self.compressors = [
-            build_compressor(compression, seed=cfg.train.seed, rank=index)
-            if compression.kind != "none"
-            else None
-            for _ in layouts
-        ]
-        self.feedback = [ErrorFeedback(enabled=compression.error_feedback) for _ in layouts]
+        self.compressors, self.feedback = push_codecs(cfg, shards=len(layouts), rank=index)
         self.faults = FaultInjector(
             cfg, rank=index, marker_dir=Path(run_dir) / "faults", on_fire=lambda record: None
         )
@@ -100,8 +92,6 @@ class ParameterServerWorker:
         self.bytes_sent = 0
         self.dense_bytes = 0
         """Bytes (as sent, and dense) this worker pushed to the shards directly."""
-        self.local_bytes = 0
-        """Bytes it pushed to its local server (dense)."""
         self.steps_done = 0
         self.telemetry = PsWorkerTelemetry.for_worker(cfg, index=index, run_dir=Path(run_dir))
         self.telemetry.record_actor_start("ps_worker")
@@ -174,7 +164,6 @@ class ParameterServerWorker:
             "seconds": self.seconds,
             "bytes_sent": self.bytes_sent,
             "dense_bytes": self.dense_bytes,
-            "local_bytes": self.local_bytes,
             "clock_lag_max": self.lag_max,
             "clock_lag_sum": self.lag_sum,
             "peak_mem_bytes": peak_memory_bytes(self.device),
@@ -235,7 +224,6 @@ class ParameterServerWorker:
             flats = [layout.flatten(grads) for layout in self.layouts]
             versions = self._from_local("push", self.index, self.clock, self.versions, flats)
             if versions is not None:
-                self.local_bytes += sum(flat.nbytes for flat in flats)
                 self.seconds["push"] += time.perf_counter() - t
                 return cast(list[int], versions)
         refs = []
