@@ -395,9 +395,8 @@ def _summary(
         "peak_mem_bytes": max(r["peak_mem_bytes"] for r in reports),
         "train_s": train_s,
         "params": num_params(model),
-        "restarts": sum(board_report["worker_restarts"])
-        + len(board_report["shard_losses"])
-        + len(locals_lost),
+        # a lost local server is not restarted (its workers are, and count here)
+        "restarts": sum(board_report["worker_restarts"]) + len(board_report["shard_losses"]),
         "ps": {
             "consistency": s.consistency,
             "num_shards": s.num_shards,
