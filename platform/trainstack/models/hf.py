@@ -57,21 +57,6 @@ def _positions(x: torch.Tensor) -> torch.Tensor:
     return torch.arange(x.shape[1], device=x.device).unsqueeze(0)
 
 
-class LlamaLayer(nn.Module):
-    """One `LlamaDecoderLayer` over positions 0..T-1: rotary embeddings from the model's
-    `rotary_emb`, no attention mask (causal sdpa)."""
-
-    def __init__(self, *, layer: nn.Module, rotary_emb: nn.Module) -> None:
-        super().__init__()
-        self.layer = layer
-        self.rotary_emb = rotary_emb
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        positions = _positions(hidden)
-        cos_sin = self.rotary_emb(hidden, position_ids=positions)
-        return self.layer(hidden, position_embeddings=cos_sin, position_ids=positions)
-
-
 class PlanLayer(nn.Module):
     """One decoder block as `base_model_pp_plan`'s `layers` entry names it, called as the
     family's own forward calls it over positions 0..T-1: the body's rotary embedding
@@ -134,20 +119,9 @@ class HFFamily:
     """The config keys that `model.dropout` fills."""
     fixed: dict[str, Any]
     """Config keys with the one value the pipeline layers support."""
-    layers: Callable[[nn.Module], list[nn.Module]] | None
+    layers: Callable[[HFCausalLM], list[nn.Module]] | None
     """The wrapper's pipeline layers, built from references to its modules; None: the
     family runs its own HF forward (no pipeline)."""
-
-
-def _llama_layers(model: nn.Module) -> list[nn.Module]:
-    body = model.get_submodule("model")
-    rotary = body.get_submodule("rotary_emb")
-    blocks = cast(nn.ModuleList, body.get_submodule("layers"))
-    return [
-        body.get_submodule("embed_tokens"),
-        *(LlamaLayer(layer=block, rotary_emb=rotary) for block in blocks),
-        NormHead(norm=body.get_submodule("norm"), lm_head=model.get_submodule("lm_head")),
-    ]
 
 
 PLAN = ["embed_tokens", "layers", "norm"]
@@ -233,7 +207,7 @@ FAMILIES: dict[str, HFFamily] = {
         positions_key="max_position_embeddings",
         dropout_keys=("attention_dropout",),
         fixed={},
-        layers=_llama_layers,
+        layers=plan_layers,  # its own plan, trusted: its forward is these layers
     ),
     "gpt2": HFFamily(
         positions_key="n_positions",
