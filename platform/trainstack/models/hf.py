@@ -132,7 +132,7 @@ def plan_layers(model: HFCausalLM) -> list[nn.Module]:
     """Pipeline layers read from the family's own plans: `base_model_pp_plan` (embedding,
     decoder blocks, final norm) and `_pp_plan` (the LM head); ConfigError naming the
     attribute a family lacks, or what its forward does that the plan does not."""
-    hf = model.__dict__["_hf"]
+    hf = model.hf
     plan = list(getattr(model.config, "base_model_pp_plan", None) or {})
     if plan != PLAN or "lm_head" not in (getattr(hf, "_pp_plan", None) or {}):
         raise ConfigError(
@@ -146,7 +146,7 @@ def plan_layers(model: HFCausalLM) -> list[nn.Module]:
             "loss is gathered by its whole forward, which a pipeline's stages do not run; set "
             "it false, or use strategy.kind ddp, zero, fsdp or ps"
         )
-    body = hf.get_submodule(hf.base_model_prefix)
+    body = model.body
     rotary = getattr(body, "rotary_emb", None)
     typed = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
     types = list(getattr(model.config, "layer_types", None) or [])
@@ -173,7 +173,7 @@ def check_plan_layers(model: HFCausalLM, layers: list[nn.Module]) -> None:
     was_training = model.training
     model.eval()
     try:
-        own = model.__dict__["_hf"](input_ids=probe, use_cache=False).logits
+        own = model.hf(input_ids=probe, use_cache=False).logits
         x = probe
         for layer in layers:
             x = layer(x)
@@ -258,6 +258,17 @@ class HFCausalLM(nn.Module):
         compilation take) of a family that runs its own forward; empty: the pipeline
         layers' repeated ones."""
 
+    @property
+    def hf(self) -> Any:
+        """The Hugging Face model this wraps (its children are this module's)."""
+        return self.__dict__["_hf"]
+
+    @property
+    def body(self) -> nn.Module:
+        """The HF model's base model (`model` for llama-like families): embedding,
+        decoder layers, final norm."""
+        return self.hf.get_submodule(self.hf.base_model_prefix)
+
     def pipeline_layers(self) -> list[nn.Module]:
         """Embedding, one layer per decoder block (all of one class), head.
 
@@ -287,7 +298,7 @@ class HFCausalLM(nn.Module):
         also returns its load-balancing loss times its `router_aux_loss_coef`, the
         weight its own forward gives it (`MoEOutput`: the task adds it to the loss)."""
         if self.family not in FAMILIES:
-            hf = self.__dict__["_hf"]
+            hf = self.hf
             out = hf(input_ids=idx, use_cache=False)
             aux = getattr(out, "aux_loss", None)
             if isinstance(aux, torch.Tensor):

@@ -146,8 +146,7 @@ def check_tensor_parallel(model: nn.Module, degree: int) -> None:
     if degree == 1 or not isinstance(model, HFCausalLM):
         return
     plan = hf_layer_plan(model)
-    body = model.__dict__["_hf"].get_submodule(model.__dict__["_hf"].base_model_prefix)
-    first = cast(nn.ModuleList, body.get_submodule("layers"))[0]
+    first = cast(nn.ModuleList, model.body.get_submodule("layers"))[0]
     sizes = {"vocab_size": model.config.vocab_size}
     for name, style in plan.items():
         linear = first.get_submodule(name)
@@ -163,8 +162,7 @@ def check_tensor_parallel(model: nn.Module, degree: int) -> None:
 
 def _parallelize_hf(model: HFCausalLM, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:
     plan = {name: HF_STYLES[style]() for name, style in hf_layer_plan(model).items()}
-    hf = model.__dict__["_hf"]
-    body = hf.get_submodule(hf.base_model_prefix)
+    body = model.body
     parallelize_module(
         body,
         tp_mesh,
