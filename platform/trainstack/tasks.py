@@ -30,12 +30,9 @@ import torch
 from torch import nn
 
 from trainstack.config import ConfigError, JobConfig
-from trainstack.data.sharding import Batch
+from trainstack.data.sharding import IGNORED_TARGET, Batch
 
 UserLoss = Callable[[Any, tuple[torch.Tensor | None, torch.Tensor]], torch.Tensor]
-
-IGNORED_TARGET = -100
-"""A target the cross-entropy skips (torch's default ignore_index)."""
 
 
 class TaskOutputError(RuntimeError):

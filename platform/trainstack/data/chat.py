@@ -41,11 +41,9 @@ import torch
 
 from trainstack.config import ConfigError, DataConfig
 from trainstack.data.indexed import ByLength, EpochOrder, IndexedCorpus
-from trainstack.data.sharding import Batch
+from trainstack.data.sharding import IGNORED_TARGET, Batch
 from trainstack.data.tokens import files_fingerprint, held_out_size
 
-IGNORE = -100
-"""The target the loss skips."""
 ROLES = ("system", "user", "assistant")
 
 
@@ -220,7 +218,7 @@ class ChatSamples:
 
     def take(self, ids: np.ndarray, *, seq_len: int) -> Batch:
         x = torch.full((len(ids), seq_len), self.pad_id, dtype=torch.int64)
-        y = torch.full((len(ids), seq_len), IGNORE, dtype=torch.int64)
+        y = torch.full((len(ids), seq_len), IGNORED_TARGET, dtype=torch.int64)
         for row, i in enumerate(np.asarray(ids).tolist()):
             chat = self.chats[i]
             tokens = torch.tensor(chat.ids, dtype=torch.int64)
@@ -228,7 +226,7 @@ class ChatSamples:
             x[row, :shown] = tokens[:shown]
             targets = min(len(tokens) - 1, seq_len)  # positions that have a next token
             keep = torch.tensor(chat.trained[1 : targets + 1], dtype=torch.bool)
-            y[row, :targets] = torch.where(keep, tokens[1 : targets + 1], IGNORE)
+            y[row, :targets] = torch.where(keep, tokens[1 : targets + 1], IGNORED_TARGET)
         return x, y
 
 

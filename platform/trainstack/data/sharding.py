@@ -29,6 +29,10 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 int64 [b, seq_len] and the next tokens (markov), or inputs float32 [b, *shape] and
 labels int64 [b] (clusters)."""
 
+IGNORED_TARGET = -100
+"""A target no loss scores (torch's cross-entropy `ignore_index`): a chat sample's
+prompts and padding. Held-out sums do not count it."""
+
 
 class Corpus(Protocol):
     """A sample stream addressed by a global index, with a disjoint held-out set."""

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-IGNORE = -100
+from trainstack.data.sharding import IGNORED_TARGET
+
 CHUNK_ELEMENTS = 2**25
 """Logits per chunk of the torch version (128 MiB in float32)."""
 
@@ -35,7 +36,7 @@ def linear_cross_entropy(
     if hidden.is_cuda and liger_available():
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-        loss: torch.Tensor = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE)(
+        loss: torch.Tensor = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORED_TARGET)(
             weight, hidden, targets
         )
         return loss
@@ -53,7 +54,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(
         ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int
     ) -> torch.Tensor:
-        valid = targets != IGNORE
+        valid = targets != IGNORED_TARGET
         accumulate = torch.float64 if weight.dtype == torch.float64 else torch.float32
         count = valid.sum().clamp_min(1).to(accumulate)
         grad_hidden = torch.empty_like(hidden)
