@@ -508,8 +508,14 @@ def test_a_family_whose_plan_does_not_compute_its_forward_is_refused_for_a_pipel
 @pytest.mark.parametrize(
     ("family", "hf", "degree", "words"),
     [
-        ("qwen3", {}, 2, "splits layers.*.self_attn.q_norm as replicated_with_grad_allreduce"),
+        (  # its per-head q/k norms apply; its experts split inside do not
+            "qwen3_moe",
+            {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+            2,
+            "splits layers.*.mlp.experts.gate_up_proj as packed_colwise, which trainstack",
+        ),
         ("mixtral", {"num_local_experts": 4}, 2, "as packed_colwise, which trainstack does not"),
+        ("qwen3", {}, 4, "tensor_parallel=4 does not divide qwen3's num_key_value_heads = 2"),
         ("qwen2", {}, 3, "tensor_parallel=3 does not divide qwen2's vocab_size = 16"),
         (
             "qwen2",
@@ -528,4 +534,5 @@ def test_a_tensor_parallel_plan_trainstack_cannot_apply_is_refused_in_one_line(
     with pytest.raises(ConfigError) as refused:
         check_tensor_parallel(model, degree)
     assert words in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
-    check_tensor_parallel(plan_model("olmo2"), 2)  # a plan that applies, sizes that divide
+    for applies in ("olmo2", "qwen3"):  # plans that apply (per-head norms too), sizes that divide
+        check_tensor_parallel(plan_model(applies), 2)

@@ -23,10 +23,12 @@ FSDP units and what activation checkpointing recomputes) and the parameter serve
 pipeline layers are cut by its own `base_model_pp_plan` and `_pp_plan` (`plan_layers`)
 and checked once against its forward (`check_plan_layers`): a family whose forward
 does more than those modules is refused a pipeline in one line. Tensor parallelism
-needs trainstack's plan (llama) and is refused in one line without. Ties: a tied
-embedding stays one Parameter, in the first layer and the last. A mixture-of-experts
-family trains on the cross-entropy alone, or with `output_router_logits` also on its
-balance loss (see `HFCausalLM.forward`).
+splits any family by its own `base_model_tp_plan` (`strategies/tensor_parallel.py`):
+one without a plan (gpt2, falcon) or whose plan splits its experts inside (mixtral,
+qwen3_moe) is refused in one line. Ties: a tied embedding stays one Parameter, in the
+first layer and the last. A mixture-of-experts family trains on the cross-entropy
+alone, or with `output_router_logits` also on its balance loss (see
+`HFCausalLM.forward`).
 """
 
 from __future__ import annotations

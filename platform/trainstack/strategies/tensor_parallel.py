@@ -17,13 +17,14 @@ and cross-entropy runs on the shards (`torch.distributed.tensor.parallel.loss_pa
 A Hugging Face causal LM (`model.kind: hf`) is split by its own plan: the decoder
 layers by the family's `base_model_tp_plan` (`colwise`, `rowwise`, and the
 `colwise_gather_output` / `rowwise_split_input` pairs of fused projections, as torch's
-column- and row-parallel styles), the LM head by its `_tp_plan` (column-parallel over
-the vocabulary), the token embedding row-parallel, and every other parameter (the
-norms) replicated: its rotary embeddings are computed from the sequence a layer sees,
-so there is no sequence parallelism and the residual stream stays whole on every rank
-(one all-reduce after each row-parallel layer). A plan style not listed here (a
-norm over one rank's heads, `replicated_with_grad_allreduce`; experts split inside,
-`packed_colwise`, `moe_tp_experts`) is refused in one line naming it.
+column- and row-parallel styles; `replicated_with_grad_allreduce`, the norms over each
+head that qwen3 and gemma3_text put on queries and keys, as `HeadShardedNorm`), the LM
+head by its `_tp_plan` (column-parallel over the vocabulary), the token embedding
+row-parallel, and every other parameter (the norms over the whole width) replicated:
+its rotary embeddings are computed from the sequence a layer sees, so there is no
+sequence parallelism and the residual stream stays whole on every rank (one all-reduce
+after each row-parallel layer). A plan style not listed here (experts split inside,
+`packed_colwise`, `moe_tp_experts`: mixtral, qwen3_moe) is refused in one line naming it.
 
 The spec's checks (`config.layout`) refuse other models and GPT sizes the degree does
 not divide before anything starts; pre-flight checks a Hugging Face model's plan and
@@ -103,15 +104,47 @@ def check_model_splits(cfg: JobConfig, model: nn.Module) -> None:
     check_tensor_parallel(model, cfg.strategy.tensor_parallel)
 
 
+class HeadShardedNorm(ParallelStyle):
+    """A norm over each head's features that sees only this rank's heads (what a
+    column-parallel projection leaves, viewed as heads): its weight a replicated DTensor,
+    its input a DTensor sharded by heads, its output local again. Each rank's share of
+    the weight's gradient covers its own heads, so the gradient is a pending sum over
+    `tp` (`Partial`), which its consumers finish over the ranks: FSDP2's reduction under
+    FSDP × TP; with tensor parallelism alone, `squared_norm` and the optimizer's DTensor
+    ops (an all-reduce each time one reads it). The sum is over every head, as in one
+    process; the parameter itself stays replicated."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def to_head_shards(_: nn.Module, inputs: Any, mesh: DeviceMesh) -> Any:
+            # Heads sit second to last in qwen3's [B, T, heads, head_dim]; gemma3's
+            # [B, heads, T, head_dim] is labelled split by T instead, which changes
+            # nothing: the norm works row by row along the last dimension, so its local
+            # math and its weight's pending sum are the same whichever other one is split.
+            return tuple(
+                DTensor.from_local(x, mesh, [Shard(x.ndim - 2)])
+                if isinstance(x, torch.Tensor)
+                else x
+                for x in inputs
+            )
+
+        return distribute_module(module, device_mesh, input_fn=to_head_shards, output_fn=_local)
+
+
 HF_STYLES: dict[str, Any] = {
     "colwise": ColwiseParallel,
     "rowwise": RowwiseParallel,
     "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
     "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "replicated_with_grad_allreduce": HeadShardedNorm,
 }
 """The `base_model_tp_plan` styles trainstack applies, as torch's parallel styles."""
-SPLITS = {"colwise": "out_features", "colwise_gather_output": "out_features"}
-"""Which size of a Linear each style splits (the rest: in_features)."""
+SPLITS = {
+    "colwise": "out_features",
+    "colwise_gather_output": "out_features",
+    "rowwise": "in_features",
+    "rowwise_split_input": "in_features",
+}
+"""Which size of a Linear each style splits (a head-sharded norm splits none)."""
 
 
 def hf_layer_plan(model: HFCausalLM) -> dict[str, str]:
@@ -142,16 +175,20 @@ def hf_layer_plan(model: HFCausalLM) -> dict[str, str]:
 
 def check_tensor_parallel(model: nn.Module, degree: int) -> None:
     """Raise ConfigError unless a Hugging Face model's plan applies and `degree` divides
-    every size it splits (a GPT's sizes are checked with the spec)."""
+    every size it splits (a GPT's sizes are checked with the spec): with column-parallel
+    attention projections, the heads too (each rank views its slice as whole heads)."""
     if degree == 1 or not isinstance(model, HFCausalLM):
         return
     plan = hf_layer_plan(model)
     first = cast(nn.ModuleList, model.body.get_submodule("layers"))[0]
     sizes = {"vocab_size": model.config.vocab_size}
+    if any(style == "colwise" and name.startswith("self_attn.") for name, style in plan.items()):
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            if heads := getattr(model.config, key, None):
+                sizes[key] = heads
     for name, style in plan.items():
-        linear = first.get_submodule(name)
-        key = SPLITS.get(style, "in_features")
-        sizes[f"{name}.{key}"] = getattr(linear, key)
+        if style in SPLITS:
+            sizes[f"{name}.{SPLITS[style]}"] = getattr(first.get_submodule(name), SPLITS[style])
     for what, value in sizes.items():
         if value % degree:
             raise ConfigError(
@@ -189,10 +226,11 @@ def _replicate(module: nn.Module, tp_mesh: DeviceMesh) -> None:
             for x in inputs
         )
 
-    def to_local(_: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
-        return output.to_local() if isinstance(output, DTensor) else output
+    distribute_module(module, tp_mesh, input_fn=to_replicated, output_fn=_local)
 
-    distribute_module(module, tp_mesh, input_fn=to_replicated, output_fn=to_local)
+
+def _local(_: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
+    return output.to_local() if isinstance(output, DTensor) else output
 
 
 def _vocabulary_head(loss_parallel: bool, input_layout: Replicate | Shard) -> ColwiseParallel:
