@@ -1,6 +1,7 @@
 """Checkpoints: `format.py` writes, verifies, lists and prunes them (its docstring shows
 the on-disk layout); `resume.py` picks the one a run starts from; `rng.py` saves and
-restores RNG states; `sharded.py` holds DCP state. Every name callers use as
+restores RNG states; `sharded.py` holds DCP state; `pretrained.py` reads a Hugging Face
+`save_pretrained` folder's safetensors in parts. Every name callers use as
 `ckpt.<name>` is re-exported here.
 """
 

@@ -54,7 +54,7 @@ def save_sharded(folder: Path, state: ShardedState) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     before = set(folder.iterdir())
     writer = dcp.FileSystemWriter(folder, single_file_per_rank=True, thread_count=1)
-    with _single_process_is_intended():
+    with single_process_is_intended():
         dcp.save(state.state, storage_writer=writer)
     return sorted(set(folder.iterdir()) - before)
 
@@ -68,7 +68,7 @@ def load_sharded(checkpoint: Checkpoint, folder: str, state: dict[str, Any]) -> 
     distributed, resharding whatever layout wrote it."""
     import torch.distributed.checkpoint as dcp
 
-    with _readable(checkpoint, folder) as path, _single_process_is_intended():
+    with _readable(checkpoint, folder) as path, single_process_is_intended():
         dcp.load(state, storage_reader=dcp.FileSystemReader(path))
 
 
@@ -86,7 +86,7 @@ def full_state(checkpoint: Checkpoint, folder: str, *, prefix: str) -> dict[str,
             for key, meta in reader.read_metadata().state_dict_metadata.items()
             if key.startswith(lead) and isinstance(meta, TensorStorageMetadata)
         }
-        with _single_process_is_intended():
+        with single_process_is_intended():
             dcp.load({prefix: tensors}, storage_reader=reader, no_dist=True)
     return tensors
 
@@ -115,7 +115,7 @@ def optimizer_state_by_parameter(
                 continue
             template.setdefault(name, {k: _like(param, meta) for k, meta in entry.items()})
             owners.setdefault(name, []).append(param)
-        with _single_process_is_intended():
+        with single_process_is_intended():
             dcp.load({"optimizer": {"state": template}}, storage_reader=reader)
     states = {
         param: {k: v.clone() for k, v in template[name].items()}
@@ -145,7 +145,7 @@ def _like(param: nn.Parameter, meta: TensorStorageMetadata) -> torch.Tensor:
 
 
 @contextmanager
-def _single_process_is_intended() -> Iterator[None]:
+def single_process_is_intended() -> Iterator[None]:
     """Without a process group DCP warns that it assumes one process: here it is meant."""
     with warnings.catch_warnings():
         warnings.filterwarnings(

@@ -35,17 +35,22 @@ MODELS: dict[str, type[Model]] = {k.name: k.builder() for k in MODEL_KINDS.value
 """The built-in models by `model.kind` (their parameters are counted by formula)."""
 
 
-def build_model(cfg: ModelConfig, *, vocab_size: int, seed: int) -> nn.Module:
+def build_model(
+    cfg: ModelConfig, *, vocab_size: int, seed: int, pretrained_on_meta: bool = False
+) -> nn.Module:
     """Build `cfg.kind` with weights that depend only on (cfg, vocab_size, seed).
 
     Every rank calling this with the same seed gets identical weights. The global
     torch RNG is left as it was: the CPU generator is seeded inside `fork_rng`. With
     `activation_checkpointing`, the model's repeated blocks recompute their
-    activations in the backward pass.
+    activations in the backward pass. `pretrained_on_meta` (for a strategy that reads
+    `model.pretrained` rank by rank): the pretrained model's parameters stay on the
+    meta device where its folder allows (`on_meta.has_meta_parameters` says), for the
+    strategy to fill.
     """
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed)
-        model = _construct(cfg, vocab_size=vocab_size)
+        model = _construct(cfg, vocab_size=vocab_size, on_meta=pretrained_on_meta)
     if cfg.activation_checkpointing:
         blocks = checkpoint_blocks(model, class_names=cfg.checkpoint_modules)
         if not blocks:
@@ -53,11 +58,13 @@ def build_model(cfg: ModelConfig, *, vocab_size: int, seed: int) -> nn.Module:
     return model
 
 
-def _construct(cfg: ModelConfig, *, vocab_size: int) -> nn.Module:
+def _construct(cfg: ModelConfig, *, vocab_size: int, on_meta: bool) -> nn.Module:
     if cfg.kind not in MODEL_KINDS:
         allowed = ", ".join(MODEL_KINDS)
         raise ConfigError(f"model.kind: unknown model {cfg.kind!r}; allowed: {allowed}")
-    model: nn.Module = MODEL_KINDS[cfg.kind].builder()(cfg, vocab_size=vocab_size)
+    # model.pretrained is a key of model.kind hf alone, whose builder takes `on_meta`
+    options = {"on_meta": True} if on_meta and cfg.pretrained else {}
+    model: nn.Module = MODEL_KINDS[cfg.kind].builder()(cfg, vocab_size=vocab_size, **options)
     return model
 
 

@@ -10,6 +10,7 @@ backward recomputes the scores, as torch's formulas do.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -44,7 +45,16 @@ CPU_ATTENTION_FORMULAS = {
 
 
 def count_training_flops(model: nn.Module, batch: Batch, *, task: Task) -> int:
-    """FLOPs of one forward + backward pass of `model` on `batch` (all its samples)."""
+    """FLOPs of one forward + backward pass of `model` on `batch` (all its samples). A
+    model whose parameters are on the meta device (a pretrained one read rank by rank)
+    is counted on a copy of fake tensors: shapes alone, no storage (transformers skips
+    its data-dependent checks on fake tensors, which meta ones fail)."""
+    if any(p.is_meta for p in model.parameters()):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        twin = copy.deepcopy(model)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            return count_training_flops(twin.to_empty(device="cpu"), batch, task=task)
     inputs, targets = batch
     saved_grads = {p: p.grad for p in model.parameters()}
     with (

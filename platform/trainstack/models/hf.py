@@ -10,7 +10,10 @@ and attention is sdpa (eager for a family without sdpa). With `model.pretrained`
 saved config.json and weights are the start; `model.dropout` and `model.hf` override
 the saved config only where every saved weight still loads as it is (dropout or rope
 may change, not layers or widths), and `model.hf.model_type`, if given, must be the
-saved one.
+saved one. Every rank loads the whole model, except under a strategy that shards or cuts
+it (fsdp, the torch pipelines): there each rank builds it with its parameters on the
+meta device and reads only its own part of each saved tensor (`build_hf_model`'s
+`on_meta`; docs/model.md).
 
 `HFCausalLM` holds the HF model's top-level modules under their own names (state_dict
 keys are HF's). A family with pipeline layers here (`FAMILIES`: llama, gpt2) computes
@@ -47,9 +50,16 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from trainstack.checkpoint.pretrained import saved_shapes
 from trainstack.config import ConfigError, ModelConfig
 from trainstack.errors import show
 from trainstack.models.moe import MoEOutput
+from trainstack.models.on_meta import (
+    has_meta_parameters,
+    parameters_on_meta,
+    saved_misfits,
+    tensor_names,
+)
 
 # ---- the families' pipeline layers: each only references the HF model's modules ---------
 
@@ -285,8 +295,8 @@ class HFCausalLM(nn.Module):
             fresh = build(self)
         else:
             fresh = plan_layers(self)
-            if not self._kept_layers:  # checked once, on the first build
-                check_plan_layers(self, fresh)
+            if not self._kept_layers and not has_meta_parameters(self):
+                check_plan_layers(self, fresh)  # once; weights on meta: pre-flight checked
         kept = self._kept_layers
         layers = [
             kept[i] if i < len(kept) and _wraps_same(kept[i], layer) else layer
@@ -319,15 +329,29 @@ def _wraps_same(old: nn.Module, new: nn.Module) -> bool:
     return type(old) is type(new) and same_children
 
 
-def build_hf_model(cfg: ModelConfig, *, vocab_size: int) -> HFCausalLM:
+def build_hf_model(cfg: ModelConfig, *, vocab_size: int, on_meta: bool = False) -> HFCausalLM:
     """The HF causal LM `cfg` describes (randomly initialised, or `cfg.pretrained`'s
-    weights), wrapped; ConfigError with one line for any mistake in `cfg`."""
+    weights), wrapped; ConfigError with one line for any mistake in `cfg`.
+
+    `on_meta` with `cfg.pretrained`: its parameters stay on the meta device, for a
+    strategy to read rank by rank (`models/on_meta.py`), once the folder's saved names
+    and shapes are checked to fit them. A folder whose names transformers converts while
+    loading (a mixture of experts' per-expert tensors, keys without the base model's
+    prefix) or whose files it picks itself loads whole, as without `on_meta`."""
     transformers = _import_transformers()
     config = hf_config(cfg, vocab_size=vocab_size)
     auto = transformers.AutoModelForCausalLM
     if not cfg.pretrained:
         return HFCausalLM(_from_config(auto, config), family=config.model_type)
     where = f"model.pretrained={show(cfg.pretrained)}"
+    saved = saved_shapes(Path(cfg.pretrained).expanduser()) if on_meta else None
+    if saved is not None:
+        with parameters_on_meta():
+            empty = HFCausalLM(_from_config(auto, config), family=config.model_type)
+        if saved.keys() <= {key for keys in tensor_names(empty) for key in keys}:
+            if problems := saved_misfits(empty, saved):
+                raise ConfigError(_misfit_line(where, problems))
+            return empty
     try:
         hf_model, info = auto.from_pretrained(
             Path(cfg.pretrained).expanduser(),
@@ -348,12 +372,16 @@ def build_hf_model(cfg: ModelConfig, *, vocab_size: int) -> HFCausalLM:
         if keys
     }
     if problems:
-        found = "; ".join(f"{kind}: {_few(keys)}" for kind, keys in problems.items())
-        raise ConfigError(
-            f"{where}: the saved weights do not fit the model ({found}); model.hf may change "
-            "only settings that shape no weight (dropout, rope), not layers or widths"
-        )
+        raise ConfigError(_misfit_line(where, problems))
     return HFCausalLM(hf_model, family=config.model_type)
+
+
+def _misfit_line(where: str, problems: dict[str, list[str]]) -> str:
+    found = "; ".join(f"{kind}: {_few(keys)}" for kind, keys in problems.items())
+    return (
+        f"{where}: the saved weights do not fit the model ({found}); model.hf may change "
+        "only settings that shape no weight (dropout, rope), not layers or widths"
+    )
 
 
 def hf_config(cfg: ModelConfig, *, vocab_size: int) -> Any:

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from trainstack import checkpoint as ckpt
 from trainstack.config import JobConfig, config_to_dict
@@ -31,13 +32,19 @@ from trainstack.faults import FaultInjector
 from trainstack.kinds import data_kind_of
 from trainstack.models import build_model, compiled_blocks, num_params
 from trainstack.models.flops import flops_per_token as training_flops_per_token
+from trainstack.models.on_meta import has_meta_parameters
 from trainstack.observe.prometheus import RunTelemetry
 from trainstack.observe.throughput import ThroughputMeter, device_peak_flops, mfu, peak_memory_bytes
 from trainstack.run_events import FirstStep, Start
 from trainstack.runtime.expert_load import ExpertLoad
 from trainstack.storage import Location
 from trainstack.strategies import Strategy, WorkerContext, build_strategy
-from trainstack.strategies.base import ReportsLayout, StepOutput, weight_dtype
+from trainstack.strategies.base import (
+    LoadsPretrainedParts,
+    ReportsLayout,
+    StepOutput,
+    weight_dtype,
+)
 from trainstack.tasks import build_task
 
 LogFn = Callable[[dict[str, Any]], None]
@@ -146,13 +153,13 @@ def train(
     )
     task = build_task(cfg)
     seq_len = cfg.model.block_size
-    model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.train.seed)
+    strategy = build_strategy(cfg, ctx)
+    model = build_job_model(cfg, strategy)
     flops_per_token = training_flops_per_token(model, _probe_sample(cfg, corpus), task=task)
     params = num_params(model)
     shapes = ckpt.parameter_shapes(model)
 
-    strategy = build_strategy(cfg, ctx)
-    strategy.setup(model.to(weight_dtype(cfg)))
+    set_up_strategy(cfg, strategy, model)
     checkpoints = run_dir if checkpoints is None else checkpoints
     restored, notes = _restore(cfg, ctx, strategy, checkpoints=checkpoints, resume_from=resume_from)
     start_step = restored.step if restored else 0
@@ -323,6 +330,28 @@ def train(
         summary["rows_consumed"] = batches.cursor.samples_seen  # steps x global batch, once
     save(cfg.train.steps, summary)
     return TrainOutcome(summary=summary, strategy=strategy)
+
+
+def build_job_model(cfg: JobConfig, strategy: Strategy) -> nn.Module:
+    """The job's model as `strategy` takes it: a `model.pretrained` that the strategy
+    reads rank by rank (`LoadsPretrainedParts`) with its parameters on the meta device,
+    else whole."""
+    return build_model(
+        cfg.model,
+        vocab_size=cfg.data.vocab_size,
+        seed=cfg.train.seed,
+        pretrained_on_meta=isinstance(strategy, LoadsPretrainedParts),
+    )
+
+
+def set_up_strategy(cfg: JobConfig, strategy: Strategy, model: nn.Module) -> None:
+    """Hand `model` (from `build_job_model`) to the strategy; one with meta parameters is
+    then filled from `model.pretrained`, each rank reading its own part."""
+    in_parts = has_meta_parameters(model)
+    strategy.setup(model.to(weight_dtype(cfg)))
+    if in_parts:
+        assert isinstance(strategy, LoadsPretrainedParts)
+        strategy.load_pretrained(cfg.model.pretrained)
 
 
 def data_epoch(corpus: Source, samples_seen: int, *, seq_len: int) -> int:

@@ -110,6 +110,18 @@ class ReportsLayout(Protocol):
         """Figures for the summary, the same on every rank (a collective)."""
 
 
+@runtime_checkable
+class LoadsPretrainedParts(Protocol):
+    """An optional ability: a strategy that shards or cuts the model takes a pretrained
+    one with its parameters on the meta device (`build_model(pretrained_on_meta=True)`),
+    gives each rank storage for its own part in `setup`, then reads that part alone
+    from the folder (strategies/pretrained_parts.py)."""
+
+    def load_pretrained(self, folder: str) -> None:
+        """After `setup`: fill this rank's part of the model from the save_pretrained
+        `folder` (a collective)."""
+
+
 def ring_allreduce_bytes(numel: int, *, element_size: int, world_size: int) -> int:
     """Bytes one rank sends in a ring all-reduce of `numel` elements: 2(N-1)/N of the buffer."""
     if world_size == 1:

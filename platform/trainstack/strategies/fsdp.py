@@ -11,7 +11,9 @@ One step: micro-batches accumulate with gradient sync off until the last; the gl
 gradient norm is taken over the DTensor gradients wherever their shards lie; the
 optimizer steps on each rank's shards. Checkpoints hold the model and optimizer as
 sharded DCP state (`checkpoint/sharded.py`), which any mesh (and, through full weights,
-any other strategy) loads.
+any other strategy) loads. A `model.pretrained` comes with its parameters on the meta
+device: each rank gives storage to its own shards only and reads them from the folder
+(`load_pretrained`, strategies/pretrained_parts.py).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ from trainstack.strategies.named_optimizer_state import (
     optimizer_order,
     restore_optimizer_by_name,
 )
+from trainstack.strategies.pretrained_parts import materialise, place, read_pretrained
 from trainstack.strategies.tensor_parallel import apply_tensor_parallel
 from trainstack.tasks import EvalSums, build_task, eval_mode, evaluate
 
@@ -87,7 +90,10 @@ class FSDPStrategy:
     # ---- set-up ------------------------------------------------------------------
 
     def setup(self, model: nn.Module) -> None:
-        model.to(self.ctx.device)
+        """Tensor parallel, compile and FSDP as above; a model with meta parameters (a
+        pretrained one, `load_pretrained` fills it) gets storage for this rank's shards
+        only, once sharded."""
+        place(model, self.ctx.device)
         if self.ctx.is_distributed:
             self.meshes = build_meshes(self.layout, device_type=self.ctx.device.type)
             if self.layout.tp > 1:
@@ -101,6 +107,9 @@ class FSDPStrategy:
         else:
             self._tp_local_numel = sum(p.numel() for p in model.parameters())
             apply_compile(self.cfg, model)
+        sharded = self.ctx.is_distributed and self.layout.dp > 1
+        offloaded = sharded and self.cfg.strategy.offload_param == "cpu"
+        materialise(model, torch.device("cpu") if offloaded else self.ctx.device)
         self.model = model
         lr = scaled_lr(self.cfg.optim, data_parallel_size=self.layout.dp)
         self.optimizer = build_optimizer(model, self.cfg.optim, lr=lr)
@@ -127,6 +136,10 @@ class FSDPStrategy:
         for unit in sharding_units(model, class_names=self.cfg.model.checkpoint_modules):
             fully_shard(unit, **options)
         fully_shard(model, **options)
+
+    def load_pretrained(self, folder: str) -> None:
+        """Each rank reads its own shard of every saved tensor (`LoadsPretrainedParts`)."""
+        read_pretrained([self.model], folder)
 
     def unwrapped_model(self) -> nn.Module:
         """The model itself: FSDP2 and tensor parallelism shard it in place (its parameters

@@ -35,6 +35,10 @@ last stage; then gradients are made whole and the optimizer steps on every rank:
 3. The global gradient norm (each tied parameter counted once) is summed over the
    pipeline, clipped as `clip_grad_norm_` does, and every rank steps its optimizer.
 
+A `model.pretrained` comes with its parameters on the meta device: each rank gives
+storage to its own stages only (its shards of them) and reads their tensors from the
+folder, a tied copy under the name the folder saves it by (`load_pretrained`).
+
 Activation checkpointing needs nothing here: `build_model` makes the model's blocks
 recompute themselves, and the stages' deep copies keep that.
 
@@ -106,6 +110,7 @@ from trainstack.strategies.pipeline_split import (
     stage_ranks,
     tied_parameters,
 )
+from trainstack.strategies.pretrained_parts import materialise, place, read_pretrained
 from trainstack.strategies.tensor_parallel import apply_tensor_parallel_to_layers
 from trainstack.tasks import EvalSums, build_task, eval_mode, evaluate
 
@@ -226,14 +231,15 @@ class PipelineStrategy:
         self.split_description = split.describe()
         ties = tied_parameters(model, layers, split)
         self._build_groups(ties)
-        for s in self.stage_ids:
-            self.modules[s] = StageModule(model, layers, split.layers[s]).to(self.ctx.device)
+        for s in self.stage_ids:  # meta parameters (`load_pretrained`): storage once split
+            self.modules[s] = place(StageModule(model, layers, split.layers[s]), self.ctx.device)
             if self.dims.tp > 1:
                 assert self.tp_mesh is not None
                 apply_tensor_parallel_to_layers(list(self.modules[s].layers.values()), self.tp_mesh)
             apply_compile(self.cfg, self.modules[s], classes=blocks)
             if self.sharded:
                 fully_shard(self.modules[s], mesh=self.dp_mesh, reshard_after_forward=False)
+            materialise(self.modules[s], self.ctx.device)
             self.boundaries[s] = BoundaryMeter(self.modules[s])
         self._hold_ties(ties)
         params = {
@@ -277,6 +283,12 @@ class PipelineStrategy:
             self.ties.append(LocalTie(tie=tie, copies=tuple(copies), ranks=self._tie_ranks(tie)))
             counted = tie.stages[0] in self.modules
             self._uncounted.update(id(c) for c in copies[1 if counted else 0 :])
+
+    def load_pretrained(self, folder: str) -> None:
+        """Each rank reads its stages' tensors (its shards of them), a tied one under
+        whichever of its names the folder saves (`LoadsPretrainedParts`)."""
+        stages = [self.modules[s] for s in self.stage_ids]
+        read_pretrained(stages, folder, aliases=self._aliases)
 
     def unwrapped_model(self) -> nn.Module:
         """This rank's stages (the full model's names; merge stage files for the whole)."""

@@ -1,0 +1,171 @@
+"""`model.pretrained` under each layout starts from the logits transformers loads, and the
+layouts that shard or cut the model read it rank by rank without ever building it whole.
+
+One tiny qwen2 (tied embedding and head, so `lm_head.weight` is not in the files; saved
+in several safetensors files with an index) is loaded by trainstack's own start of a run
+(`build_job_model`, `set_up_strategy`) on 2 gloo processes under ddp (each rank loads
+it whole), fsdp (each rank reads its shard of every tensor) and a 2-stage pipeline (each
+rank reads its stage's tensors); the loaded model's logits on fixed tokens, before any
+step, are held to `AutoModelForCausalLM.from_pretrained` on the same folder, in float64.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from trainstack.config import config_from_dict
+from trainstack.models.on_meta import has_meta_parameters
+from trainstack.runtime.gloo_processes import rendezvous
+from trainstack.runtime.loop import build_job_model, set_up_strategy
+from trainstack.strategies import WorkerContext, build_strategy
+from trainstack.strategies.dtensor_state import local_part
+from trainstack.strategies.pipeline_split import recv_activation, send_activation
+
+VOCAB, SEQ = 16, 16
+WIDTHS = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+LOGITS_BOUND = 1e-10
+"""float64 on both sides: the same weights through the same math (the pipeline through
+the family's plan layers) differ by rounding alone, about 1e-16; a wrong slice, a
+skipped tie or a random start differs by 1e-2 and more."""
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "ddp": {"kind": "ddp"},
+    "fsdp": {"kind": "fsdp"},
+    "pipeline": {"kind": "pipeline", "stages": 2, "microbatches": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A save_pretrained qwen2 with tied weights, in several files and an index."""
+    import transformers
+
+    path = tmp_path_factory.mktemp("pretrained") / "qwen2"
+    config = transformers.Qwen2Config(vocab_size=VOCAB, tie_word_embeddings=True, **WIDTHS)
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(path, max_shard_size="20KB")
+    assert (path / "model.safetensors.index.json").is_file()
+    return path
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def spec(layout: str, folder: Path, storage: Path) -> dict[str, Any]:
+    return {
+        "name": f"pretrained-{layout}",
+        "model": {"kind": "hf", "pretrained": str(folder), "block_size": SEQ},
+        "data": {"vocab_size": VOCAB, "order": 1},
+        "train": {"steps": 1, "global_batch_size": 4, "micro_batch_size": 2, "precision": "fp64"},
+        "optim": {"warmup_steps": 0},
+        "strategy": LAYOUTS[layout],
+        "scaling": {"num_workers": 2},
+        "checkpoint": {"storage_path": str(storage)},
+    }
+
+
+def _worker(rank: int, raw: dict[str, Any], init_method: str, out: str) -> None:
+    import transformers
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
+    whole_loads = []
+    load = transformers.AutoModelForCausalLM.from_pretrained
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        whole_loads.append(args)
+        return load(*args, **kwargs)
+
+    transformers.AutoModelForCausalLM.from_pretrained = counted  # type: ignore[method-assign]
+    try:
+        cfg = config_from_dict(raw)
+        ctx = WorkerContext(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"))
+        strategy = build_strategy(cfg, ctx)
+        model = build_job_model(cfg, strategy)
+        built_on_meta = has_meta_parameters(model)
+        total = sum(p.numel() for p in model.parameters())
+        set_up_strategy(cfg, strategy, model)
+        held = strategy.unwrapped_model().eval()
+        with torch.no_grad():
+            if cfg.strategy.kind == "pipeline":  # stage 0 on rank 0, stage 1 on rank 1
+                (stage,) = held.children()
+                if rank == 0:
+                    send_activation(stage(tokens()), dst=1)
+                    logits = None
+                else:
+                    logits = stage(recv_activation(src=0, device=ctx.device))
+            else:
+                logits = held(tokens())
+        result = {
+            "logits": logits,
+            "built_on_meta": built_on_meta,
+            "whole_loads": len(whole_loads),
+            "params": total,
+            "held": sum(local_part(p).numel() for p in held.parameters()),
+        }
+        torch.save(result, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+_RUNS: dict[str, list[dict[str, Any]]] = {}
+
+
+def loaded(layout: str, folder: Path, tmp_path: Path) -> list[dict[str, Any]]:
+    """Each rank's results of loading `folder` under `layout`, once per module."""
+    if layout not in _RUNS:
+        out = tmp_path / layout
+        out.mkdir(parents=True)
+        multiprocessing.set_forkserver_preload(["trainstack.runtime.gloo_processes"])
+        args = (spec(layout, folder, tmp_path / "runs"), rendezvous(out), str(out))
+        mp.start_processes(_worker, args=args, nprocs=2, start_method="forkserver")
+        _RUNS[layout] = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    return _RUNS[layout]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_pretrained_model_starts_from_the_logits_transformers_loads(
+    layout: str, folder: Path, tmp_path: Path
+) -> None:
+    import transformers
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+    with torch.no_grad():
+        theirs = reference.to(torch.float64).eval()(input_ids=tokens()).logits
+    ranks = loaded(layout, folder, tmp_path)
+    last = 1 if layout == "pipeline" else 0
+    for rank in (0, 1) if layout != "pipeline" else (last,):
+        ours = ranks[rank]["logits"]
+        diff = float((ours - theirs).abs().max())
+        print(f"{layout} rank {rank}: max |logit difference| {diff:.3g}")
+        assert diff < LOGITS_BOUND
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "pipeline"])
+def test_a_sharding_layout_never_loads_the_whole_model_on_a_rank(
+    layout: str, folder: Path, tmp_path: Path
+) -> None:
+    """Built with its parameters on the meta device, never through from_pretrained (the
+    whole load, which ddp uses: the probe counts), each rank given storage for about
+    half of the model only."""
+    ranks = loaded(layout, folder, tmp_path)
+    assert [r["whole_loads"] for r in loaded("ddp", folder, tmp_path)] == [1, 1]
+    for rank, result in enumerate(ranks):
+        share = result["held"] / result["params"]
+        print(f"{layout} rank {rank}: holds {result['held']} of {result['params']} ({share:.2f})")
+        assert result["built_on_meta"] and result["whole_loads"] == 0
+        assert share < 0.75
