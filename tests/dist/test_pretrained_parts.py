@@ -5,7 +5,8 @@ One tiny qwen2 (tied embedding and head, so `lm_head.weight` is not in the files
 in several safetensors files with an index) is loaded by trainstack's own start of a run
 (`build_job_model`, `set_up_strategy`) on 2 gloo processes under ddp (each rank loads
 it whole), fsdp (each rank reads its shard of every tensor) and a 2-stage pipeline (each
-rank reads its stage's tensors); the loaded model's logits on fixed tokens, before any
+rank reads its stage's tensors) and tensor parallel (each rank reads its rows or columns);
+the loaded model's logits on fixed tokens, before any
 step, are held to `AutoModelForCausalLM.from_pretrained` on the same folder, in float64.
 """
 
@@ -19,14 +20,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor
 
 from trainstack.config import config_from_dict
 from trainstack.models.on_meta import has_meta_parameters
-from trainstack.runtime.gloo_processes import rendezvous
+from trainstack.runtime.gloo_processes import rendezvous, run_processes
 from trainstack.runtime.loop import build_job_model, set_up_strategy
 from trainstack.strategies import WorkerContext, build_strategy
 from trainstack.strategies.dtensor_state import local_part
 from trainstack.strategies.pipeline_split import recv_activation, send_activation
+
+from bounds import FP64_BOUND, MOVED, max_difference
 
 VOCAB, SEQ = 16, 16
 WIDTHS = {
@@ -44,6 +49,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "ddp": {"kind": "ddp"},
     "fsdp": {"kind": "fsdp"},
     "pipeline": {"kind": "pipeline", "stages": 2, "microbatches": 2},
+    "tensor_parallel": {"kind": "fsdp", "tensor_parallel": 2},  # parts of columns too
 }
 
 
@@ -110,6 +116,8 @@ def _worker(rank: int, raw: dict[str, Any], init_method: str, out: str) -> None:
                     logits = stage(recv_activation(src=0, device=ctx.device))
             else:
                 logits = held(tokens())
+                if isinstance(logits, DTensor):  # sharded by vocabulary (loss_parallel)
+                    logits = logits.full_tensor()
         result = {
             "logits": logits,
             "built_on_meta": built_on_meta,
@@ -155,7 +163,7 @@ def test_a_pretrained_model_starts_from_the_logits_transformers_loads(
         assert diff < LOGITS_BOUND
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "pipeline"])
+@pytest.mark.parametrize("layout", ["fsdp", "pipeline", "tensor_parallel"])
 def test_a_sharding_layout_never_loads_the_whole_model_on_a_rank(
     layout: str, folder: Path, tmp_path: Path
 ) -> None:
@@ -169,3 +177,21 @@ def test_a_sharding_layout_never_loads_the_whole_model_on_a_rank(
         print(f"{layout} rank {rank}: holds {result['held']} of {result['params']} ({share:.2f})")
         assert result["built_on_meta"] and result["whole_loads"] == 0
         assert share < 0.75
+
+
+def test_fsdp_from_a_pretrained_folder_trains_what_ddp_trains_from_it(
+    folder: Path, tmp_path: Path
+) -> None:
+    """The whole run (pre-flight, FLOPs counted without storage, steps, checkpoints):
+    3 steps of fsdp reading its shards = ddp loading the whole model, in float64."""
+    weights = {}
+    for layout in ("ddp", "fsdp"):
+        raw = spec(layout, folder, tmp_path / layout)
+        raw["train"] |= {"steps": 3, "micro_batch_size": 1}
+        raw["optim"] |= {"lr": 1e-2}
+        raw["log"] = {"every_steps": 3}
+        run_processes(config_from_dict(raw), world_size=2, out_dir=tmp_path / f"{layout}-out")
+        weights[layout] = torch.load(tmp_path / f"{layout}-out" / "model.pt", weights_only=True)
+    assert max_difference(weights["fsdp"], weights["ddp"]) < FP64_BOUND
+    start = {k: v for f in folder.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert max_difference({k: weights["ddp"][k] for k in start}, start) > MOVED
