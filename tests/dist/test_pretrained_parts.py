@@ -4,10 +4,12 @@ layouts that shard or cut the model read it rank by rank without ever building i
 One tiny qwen2 (tied embedding and head, so `lm_head.weight` is not in the files; saved
 in several safetensors files with an index) is loaded by trainstack's own start of a run
 (`build_job_model`, `set_up_strategy`) on 2 gloo processes under ddp (each rank loads
-it whole), fsdp (each rank reads its shard of every tensor) and a 2-stage pipeline (each
-rank reads its stage's tensors) and tensor parallel (each rank reads its rows or columns);
-the loaded model's logits on fixed tokens, before any
-step, are held to `AutoModelForCausalLM.from_pretrained` on the same folder, in float64.
+it whole), fsdp (each rank reads its shard of every tensor), a 2-stage pipeline (each
+rank its stage's tensors) and tensor parallel 2 (each rank its rows or columns); the
+loaded model's logits on fixed tokens, before any step, are held to
+`AutoModelForCausalLM.from_pretrained` on the same folder, in float64. Under ZBV (rank 0
+holds the first stage and the last: both copies of the tie) the stages' weights are held
+to the folder's; and a whole fsdp run from the folder to a ddp run from it.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "fsdp": {"kind": "fsdp"},
     "pipeline": {"kind": "pipeline", "stages": 2, "microbatches": 2},
     "tensor_parallel": {"kind": "fsdp", "tensor_parallel": 2},  # parts of columns too
+    # 4 stages folded back: rank 0 holds the first and the last, both copies of the tie
+    "zbv": {"kind": "pipeline", "stages": 2, "schedule": "zbv", "microbatches": 2},
 }
 
 
@@ -107,7 +111,9 @@ def _worker(rank: int, raw: dict[str, Any], init_method: str, out: str) -> None:
         set_up_strategy(cfg, strategy, model)
         held = strategy.unwrapped_model().eval()
         with torch.no_grad():
-            if cfg.strategy.kind == "pipeline":  # stage 0 on rank 0, stage 1 on rank 1
+            if cfg.strategy.schedule == "zbv":  # its weights, held to the folder's
+                logits = None
+            elif cfg.strategy.kind == "pipeline":  # stage 0 on rank 0, stage 1 on rank 1
                 (stage,) = held.children()
                 if rank == 0:
                     send_activation(stage(tokens()), dst=1)
@@ -120,6 +126,7 @@ def _worker(rank: int, raw: dict[str, Any], init_method: str, out: str) -> None:
                     logits = logits.full_tensor()
         result = {
             "logits": logits,
+            "stages": {k: v for k, v in strategy.checkpoint_files().items() if "model" in k},
             "built_on_meta": built_on_meta,
             "whole_loads": len(whole_loads),
             "params": total,
@@ -145,7 +152,7 @@ def loaded(layout: str, folder: Path, tmp_path: Path) -> list[dict[str, Any]]:
     return _RUNS[layout]
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [layout for layout in LAYOUTS if layout != "zbv"])
 def test_a_pretrained_model_starts_from_the_logits_transformers_loads(
     layout: str, folder: Path, tmp_path: Path
 ) -> None:
@@ -161,6 +168,23 @@ def test_a_pretrained_model_starts_from_the_logits_transformers_loads(
         diff = float((ours - theirs).abs().max())
         print(f"{layout} rank {rank}: max |logit difference| {diff:.3g}")
         assert diff < LOGITS_BOUND
+
+
+def test_zbv_stages_on_one_rank_both_read_their_copy_of_the_tie(
+    folder: Path, tmp_path: Path
+) -> None:
+    """ZBV: rank 0 holds the embedding's stage and the head's, rank 1 the two blocks;
+    every stage's weights are the folder's (the head's copy is the saved embedding)."""
+    saved = {k: v for f in folder.glob("*.safetensors") for k, v in load_file(f).items()}
+    saved["lm_head.weight"] = saved["model.embed_tokens.weight"]
+    ranks = loaded("zbv", folder, tmp_path)
+    assert all(r["built_on_meta"] and r["whole_loads"] == 0 for r in ranks)
+    stages = {k: v for rank in ranks for k, v in rank["stages"].items()}
+    assert len(stages) == 4
+    weights = {k: v for state in stages.values() for k, v in state.items()}
+    assert weights.keys() == saved.keys()
+    unequal = [k for k, v in weights.items() if not torch.equal(v, saved[k].to(v.dtype))]
+    assert not unequal  # (bounds.max_difference would let an unread tensor's NaNs through)
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "pipeline", "tensor_parallel"])
@@ -192,6 +216,7 @@ def test_fsdp_from_a_pretrained_folder_trains_what_ddp_trains_from_it(
         raw["log"] = {"every_steps": 3}
         run_processes(config_from_dict(raw), world_size=2, out_dir=tmp_path / f"{layout}-out")
         weights[layout] = torch.load(tmp_path / f"{layout}-out" / "model.pt", weights_only=True)
+    assert all(bool(torch.isfinite(v).all()) for v in weights["fsdp"].values())
     assert max_difference(weights["fsdp"], weights["ddp"]) < FP64_BOUND
     start = {k: v for f in folder.glob("*.safetensors") for k, v in load_file(f).items()}
     assert max_difference({k: weights["ddp"][k] for k in start}, start) > MOVED
