@@ -28,6 +28,7 @@ on: 2.424, the floor 1.139, ln 16 = 2.773), by a margin the run's measured loss 
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +54,12 @@ moved the weights."""
 
 
 def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """The largest absolute difference between two state dicts with the same keys."""
+    """The largest absolute difference between two state dicts with the same keys; inf
+    where either holds a NaN (Python's `max` would drop it: an unread tensor full of NaN
+    must not pass for an equal one)."""
     assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+    gaps = [(a[k].double() - b[k].double()).abs().nan_to_num(nan=math.inf).max() for k in a]
+    return max(gap.item() for gap in gaps)
 
 
 def initial_weights(raw: dict[str, Any]) -> dict[str, torch.Tensor]:
