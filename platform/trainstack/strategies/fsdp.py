@@ -59,7 +59,7 @@ from trainstack.strategies.base import (
 )
 from trainstack.strategies.comm_count import CollectiveBytes
 from trainstack.strategies.dtensor_state import local_part
-from trainstack.strategies.mesh import Meshes, build_meshes, squared_norm
+from trainstack.strategies.mesh import Meshes, build_meshes, finish_pending_sums, squared_norm
 from trainstack.strategies.named_optimizer_state import (
     named_parameters,
     optimizer_order,
@@ -190,6 +190,7 @@ class FSDPStrategy:
                 (loss / accum).backward()
             self._peak_grad_bytes = max(self._peak_grad_bytes, self._held_grad_bytes())
             total += local_part(loss.detach())
+        finish_pending_sums(self.model.parameters())
         grad_norm = clip_grad_norm(list(self.model.parameters()), self.cfg.optim.grad_clip)
         lr = float(self.scheduler.get_last_lr()[0])
         self.optimizer.step()

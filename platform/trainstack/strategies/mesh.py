@@ -6,10 +6,12 @@ tensor parallelism splits layers over `tp`; a pipeline's stages lie along `pp`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -47,6 +49,18 @@ def build_meshes(dims: ParallelDims, *, device_type: str) -> Meshes:
     dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     fsdp = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
     return Meshes(tp=mesh["tp"], fsdp=fsdp, data_parallel_group=dp.get_group())
+
+
+def finish_pending_sums(params: Iterable[nn.Parameter]) -> None:
+    """Make each gradient left as a pending sum over a mesh dimension (`Partial`: a
+    head-sharded norm's under tensor parallelism alone) whole, once per step: else the
+    clipping norm and every optimizer op that reads it would all-reduce it again."""
+    for param in params:
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            param.grad = grad.redistribute(
+                placements=[Replicate() if p.is_partial() else p for p in grad.placements]
+            )
 
 
 def squared_norm(grads: list[torch.Tensor]) -> float:

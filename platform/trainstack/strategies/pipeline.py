@@ -86,7 +86,7 @@ from trainstack.strategies.dtensor_state import (
     place_like_parameters,
     whole,
 )
-from trainstack.strategies.mesh import build_mesh, squared_norm
+from trainstack.strategies.mesh import build_mesh, finish_pending_sums, squared_norm
 from trainstack.strategies.named_optimizer_state import optimizer_order, restore_optimizer_by_name
 from trainstack.strategies.pipeline_probe import (
     BoundaryMeter,
@@ -319,6 +319,7 @@ class PipelineStrategy:
         self._peak_grad_bytes = max(self._peak_grad_bytes, storage_bytes(grads))
         self._sum_tied_gradients()
         self._average_over_replicas()
+        finish_pending_sums(self._params())
         grad_norm = self._clip_gradients()
         lr = float(self.scheduler.get_last_lr()[0])
         self.optimizer.step()
