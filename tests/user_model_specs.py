@@ -3,6 +3,16 @@ shared by the tests that train them under every strategy."""
 
 from typing import Any
 
+HF_WIDTHS: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+"""A tiny Hugging Face decoder's sizes, for any family's config (grouped-query attention:
+4 query heads over 2 key/value heads)."""
+
 MODELS: dict[str, dict[str, Any]] = {
     "cnn": {
         "model": {"kind": "custom", "target": "user_models.cnn:build", "args": {"width": 8}},

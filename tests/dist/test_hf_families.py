@@ -38,15 +38,10 @@ from bounds import (
     one_process,
     sensitivity_bound,
 )
+from user_model_specs import HF_WIDTHS
 
 STEPS = 6
-WIDTHS = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
+WIDTHS = HF_WIDTHS
 FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2": WIDTHS,
     "qwen3": WIDTHS,  # norms on each head's queries and keys

@@ -34,15 +34,10 @@ from trainstack.strategies.dtensor_state import local_part
 from trainstack.strategies.pipeline_split import recv_activation, send_activation
 
 from bounds import FP64_BOUND, MOVED, max_difference
+from user_model_specs import HF_WIDTHS
 
 VOCAB, SEQ = 16, 16
-WIDTHS = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
+WIDTHS = HF_WIDTHS
 LOGITS_BOUND = 1e-10
 """float64 on both sides: the same weights through the same math (the pipeline through
 the family's plan layers) differ by rounding alone, about 1e-16; a wrong slice, a

@@ -21,14 +21,10 @@ from trainstack.models.hf import HFCausalLM
 from trainstack.models.on_meta import has_meta_parameters
 from trainstack.tasks import Task
 
+from user_model_specs import HF_WIDTHS
+
 VOCAB, T = 16, 8
-WIDTHS = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
+WIDTHS = HF_WIDTHS
 
 
 def save(path: Path, model_type: str = "qwen2", **extra: object) -> Path:
