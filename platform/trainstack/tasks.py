@@ -4,7 +4,8 @@ A batch is `(inputs, targets)`:
 
 - `lm`: token ids `[B, T]` and the next tokens `[B, T]`; the model returns logits
   `[B, T, V]`; the loss is the mean next-token cross-entropy; held-out metrics are
-  the loss, perplexity and bits per token.
+  the loss, perplexity and bits per token. Packed chat rows (`data.pack`) have inputs
+  `[B, 2, T]` (token ids, position ids), which the model (`HFCausalLM`) takes as they are.
 - `classify`: inputs `[B, ...]` and labels `[B]`; the model returns logits `[B, C]`;
   the loss is the mean cross-entropy; held-out metrics are the loss and accuracy.
 

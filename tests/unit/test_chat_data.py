@@ -228,3 +228,74 @@ def test_export_copies_the_runs_tokenizer_beside_the_model(tmp_path: Path) -> No
         "<|im_start|> user hi <|im_end|> <|im_start|> assistant hello <|im_end|>"
     )
     assert copy_tokenizer(config_from_dict({}), tmp_path / "none") == ""  # markov, no folder
+
+
+def packing(raw: dict[str, Any]) -> dict[str, Any]:
+    """`raw` with data.pack=true, for the Hugging Face model packing is for."""
+    model = {**raw["model"], "kind": "hf", "hf": {"model_type": "qwen2"}}
+    return {**raw, "model": model, "data": {**raw["data"], "pack": True}}
+
+
+def test_packed_rows_hold_whole_conversations_each_as_its_unpacked_sample(
+    tmp_path: Path,
+) -> None:
+    records = [TWO_TURNS, *sums(9)]
+    raw = spec(tmp_path, records, shuffle=False)
+    raw["model"]["block_size"] = 32
+    alone, packed = corpus_of(raw), corpus_of(packing(raw))
+    chats = alone.at(32).train.chats
+    rows = packed.at(32).train.rows
+    assert [i for row in rows for i in row] == list(range(len(records)))  # in order, each once
+    assert len(rows) < len(records)  # several conversations share a row
+    x, y = packed.train_batch(0, len(rows), seq_len=32)
+    ax, ay = alone.train_batch(0, len(records), seq_len=32)
+    assert x.shape == (len(rows), 2, 32) and y.shape == (len(rows), 32)
+    for r, row in enumerate(rows):
+        at = 0
+        for i in row:
+            width = len(chats[i].ids) - 1  # its inputs: every token but the last
+            # token by token: the ids, targets (-100 but the assistants') and positions
+            # of the conversation alone, positions restarting at 0
+            assert x[r, 0, at : at + width].tolist() == ax[i, :width].tolist()
+            assert y[r, at : at + width].tolist() == ay[i, :width].tolist()
+            assert x[r, 1, at : at + width].tolist() == list(range(width))
+            at += width
+        assert at <= 32 and (r == len(rows) - 1 or at + len(chats[row[-1] + 1].ids) - 1 > 32)
+        assert y[r, at:].tolist() == [IGNORE] * (32 - at)  # padding: never scored
+        assert x[r, 1, at:].tolist() == list(range(32 - at))  # ... and a sequence of its own
+    for r in range(len(rows)):  # a row depends on its index alone
+        assert torch.equal(packed.train_batch(r, 1, seq_len=32)[0][0], x[r])
+    again = corpus_of(packing(raw))
+    again_x, again_y = again.train_batch(0, len(rows), seq_len=32)
+    assert torch.equal(again_x, x) and torch.equal(again_y, y)
+    assert packed.fingerprint != alone.fingerprint
+
+
+def test_packing_keeps_a_truncated_conversation_whole_in_a_row_of_its_own(tmp_path: Path) -> None:
+    raw = spec(tmp_path, [sums(1)[0], TWO_TURNS, sums(2)[1]], truncate=True)
+    raw["model"]["block_size"] = 16  # TWO_TURNS' 26 tokens cut to 17: 16 inputs, one row
+    corpus = corpus_of(packing(raw))
+    assert corpus.at(16).train.rows == [(0,), (1,), (2,)]
+    x, y = corpus.train_batch(1, 1, seq_len=16)
+    assert x[0, 1].tolist() == list(range(16))
+    assert [t for t in y[0].tolist() if t != IGNORE] == ids("hello how are you <|im_end|>")
+
+
+@pytest.mark.parametrize(
+    ("changes", "wanted"),
+    [
+        ({"data.kind": "markov"}, "data.pack=true packs conversations: it is for data.kind chat"),
+        ({"model.kind": "gpt", "model.hf": {}}, "it is for model.kind hf; got gpt"),
+        ({"strategy.kind": "pipeline"}, "a pipeline's stages do not pass on"),
+    ],
+)
+def test_pack_is_refused_in_one_line_where_it_cannot_work(
+    tmp_path: Path, changes: dict[str, Any], wanted: str
+) -> None:
+    raw = packing(spec(tmp_path, sums(4)))
+    for key, value in changes.items():
+        section, name = key.split(".")
+        raw[section] = {**raw.get(section, {}), name: value}
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(raw)
+    assert wanted in str(e.value) and "\n" not in str(e.value)

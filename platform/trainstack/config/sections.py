@@ -111,6 +111,11 @@ class DataConfig:
     truncate: bool = False
     """chat: cut a conversation longer than model.block_size + 1 tokens to that length
     (false: refuse it, naming file:line)."""
+    pack: bool = False
+    """chat: pack whole conversations, in file order, into samples of model.block_size
+    tokens, each conversation with its own position ids (from 0) and attending only to
+    itself (false: one conversation a sample, padded). For model.kind hf (a family that
+    runs its own forward) on a layout that is not a pipeline."""
     prepared_dir: str = ""
     """text: where `trainstack prepare` writes token files; empty:
     `<checkpoint.storage_path>/prepared/<fingerprint>`. Never the user's data directory."""

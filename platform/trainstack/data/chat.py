@@ -17,9 +17,20 @@ One conversation is one sample: inputs are its first T tokens (T = model.block_s
 targets the next token at each position, -100 (ignored by the loss) where the next
 token is not an assistant's and over the padding that fills a short conversation to
 T. Position ids start at 0 in every sample and no sample attends to another, so the
-model sees each conversation exactly as alone (padding costs compute: nothing is
-packed). A conversation longer than T + 1 tokens is refused naming file:line, or with
-`data.truncate: true` cut to its first T + 1 (refused if no assistant token is left).
+model sees each conversation exactly as alone (padding costs compute). A conversation
+longer than T + 1 tokens is refused naming file:line, or with `data.truncate: true` cut
+to its first T + 1 (refused if no assistant token is left).
+
+With `data.pack: true` a sample is a row of T positions that holds whole conversations
+instead (`pack_rows`): a conversation of L tokens takes L - 1 positions (its inputs;
+targets as above), conversations go into rows in file order, each into the current row
+if it fits, else into a new one, and the row's rest is padding; a conversation is never
+split over rows (`data.truncate` first cuts one to T + 1 tokens, T positions: a row of
+its own). A packed sample's inputs are [2, T]: the token ids and position ids that
+restart at 0 at each conversation (and at the padding). Given position ids, a Hugging
+Face model's own forward makes each conversation attend only to itself (transformers'
+packed-sequence mask), so every conversation is computed exactly as alone
+(`models/hf.py`; tests/unit/test_chat_packing.py). The packing is in the fingerprint.
 
 Samples are read in seeded epochs like the other file sources (`indexed`), so the
 global batch is the same at any world size and a cursor resumes exactly. Each process
@@ -31,7 +42,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +51,7 @@ import numpy as np
 import torch
 
 from trainstack.config import ConfigError, DataConfig
-from trainstack.data.indexed import ByLength, EpochOrder, IndexedCorpus
+from trainstack.data.indexed import ByLength, EpochOrder, IndexedCorpus, SampleSet
 from trainstack.data.sharding import IGNORED_TARGET, Batch
 from trainstack.data.tokens import files_fingerprint, held_out_size
 
@@ -206,6 +217,26 @@ def fitted(chat: Conversation, *, block_size: int, truncate: bool) -> Conversati
     return cut
 
 
+def pack_rows(chats: Sequence[Conversation], *, seq_len: int) -> list[tuple[int, ...]]:
+    """The conversations (by index) in each packed row of seq_len positions: in order,
+    each into the current row if its inputs (all its tokens but the last) fit, else into
+    a new row. Each conversation must fit a row (`fitted`)."""
+    rows: list[tuple[int, ...]] = []
+    row: list[int] = []
+    used = 0
+    for i, chat in enumerate(chats):
+        width = len(chat.ids) - 1
+        assert width <= seq_len, f"{chat.where}: not fitted to {seq_len}"
+        if row and used + width > seq_len:
+            rows.append(tuple(row))
+            row, used = [], 0
+        row.append(i)
+        used += width
+    if row:
+        rows.append(tuple(row))
+    return rows
+
+
 class ChatSamples:
     """A `SampleSet` of conversations, each padded to one sample of seq_len."""
 
@@ -227,6 +258,36 @@ class ChatSamples:
             targets = min(len(tokens) - 1, seq_len)  # positions that have a next token
             keep = torch.tensor(chat.trained[1 : targets + 1], dtype=torch.bool)
             y[row, :targets] = torch.where(keep, tokens[1 : targets + 1], IGNORED_TARGET)
+        return x, y
+
+
+class PackedChatSamples:
+    """A `SampleSet` of packed rows (`pack_rows`): inputs [b, 2, seq_len] (token ids,
+    position ids restarting at 0 at each conversation and at the padding), targets
+    [b, seq_len]."""
+
+    def __init__(self, chats: Sequence[Conversation], *, pad_id: int, seq_len: int) -> None:
+        self.chats = tuple(chats)
+        self.pad_id = pad_id
+        self.rows = pack_rows(self.chats, seq_len=seq_len)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def take(self, ids: np.ndarray, *, seq_len: int) -> Batch:
+        x = torch.full((len(ids), 2, seq_len), self.pad_id, dtype=torch.int64)
+        y = torch.full((len(ids), seq_len), IGNORED_TARGET, dtype=torch.int64)
+        for row, i in enumerate(np.asarray(ids).tolist()):
+            at = 0
+            for chat in (self.chats[c] for c in self.rows[i]):
+                tokens = torch.tensor(chat.ids, dtype=torch.int64)
+                width = len(tokens) - 1
+                x[row, 0, at : at + width] = tokens[:-1]
+                x[row, 1, at : at + width] = torch.arange(width)
+                keep = torch.tensor(chat.trained[1:], dtype=torch.bool)
+                y[row, at : at + width] = torch.where(keep, tokens[1:], IGNORED_TARGET)
+                at += width
+            x[row, 1, at:] = torch.arange(seq_len - at)  # padding: a sequence of its own
         return x, y
 
 
@@ -254,6 +315,7 @@ class ChatCorpus(ByLength):
             kind="chat",
             val_fraction=d.val_fraction,
             truncate=d.truncate,
+            **({"pack": True} if d.pack else {}),  # unpacked: the fingerprint as before
             template=self.tokenizer.template or self.tokenizer.tokenizer.chat_template,
             vocab=self.tokenizer.vocab_size,
         )
@@ -276,10 +338,19 @@ class ChatCorpus(ByLength):
                     f"data.train: every conversation is held out (data.val_fraction="
                     f"{d.val_fraction}); add data or lower the fraction"
                 )
+            samples = self.samples(seq_len)
+            train_set = samples(train)
             self._by_length[seq_len] = IndexedCorpus(
-                train=ChatSamples(train, pad_id=tok.pad_id),
-                held_out=ChatSamples(held, pad_id=tok.pad_id) if held else None,
-                order=EpochOrder(size=len(train), seed=d.seed, shuffle=d.shuffle),
+                train=train_set,
+                held_out=samples(held) if held else None,
+                order=EpochOrder(size=len(train_set), seed=d.seed, shuffle=d.shuffle),
                 fingerprint=self.fingerprint,
             )
         return self._by_length[seq_len]
+
+    def samples(self, seq_len: int) -> Callable[[Sequence[Conversation]], SampleSet]:
+        """How conversations become samples: packed rows (`data.pack`) or one each."""
+        pad_id = self.tokenizer.pad_id
+        if self.cfg.pack:
+            return functools.partial(PackedChatSamples, pad_id=pad_id, seq_len=seq_len)
+        return functools.partial(ChatSamples, pad_id=pad_id)

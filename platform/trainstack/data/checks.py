@@ -100,7 +100,8 @@ def check_chat(cfg: JobConfig) -> None:
         )
     samples = corpus.at(cfg.model.block_size)
     held = len(samples.held_out) if samples.held_out is not None else 0
-    check_held_out(cfg, held=held, what="conversations")
+    what = f"packed rows of {cfg.model.block_size} tokens" if d.pack else "conversations"
+    check_held_out(cfg, held=held, what=what)
 
 
 def check_text(cfg: JobConfig) -> None:

@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 Batch = tuple[torch.Tensor, torch.Tensor]
 """(inputs, targets) of one micro-batch, rows in global-index order: token ids
 int64 [b, seq_len] and the next tokens (markov), or inputs float32 [b, *shape] and
-labels int64 [b] (clusters)."""
+labels int64 [b] (clusters). Packed chat rows (`data.pack`) have inputs int64
+[b, 2, seq_len]: token ids and position ids (`data/chat.py`)."""
 
 IGNORED_TARGET = -100
 """A target no loss scores (torch's cross-entropy `ignore_index`): a chat sample's

@@ -308,10 +308,27 @@ class HFCausalLM(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor | MoEOutput:
         """Logits; a mixture-of-experts family configured with `output_router_logits`
         also returns its load-balancing loss times its `router_aux_loss_coef`, the
-        weight its own forward gives it (`MoEOutput`: the task adds it to the loss)."""
+        weight its own forward gives it (`MoEOutput`: the task adds it to the loss).
+
+        `idx` is token ids [B, T], or packed rows [B, 2, T] (`data.pack`): token ids and
+        position ids that restart at 0 at each packed sequence. The family's own forward
+        gets the position ids and, seeing them restart, lets each sequence attend only to
+        itself (transformers' packed-sequence mask). The families whose forward here is
+        the pipeline layers (llama, gpt2) count positions 0..T-1 and refuse packed rows."""
+        positions = None
+        if idx.dim() == 3:
+            if self.family in FAMILIES:
+                raise ConfigError(
+                    f"data.pack=true: model.hf.model_type={self.family} runs trainstack's "
+                    "pipeline layers, which count positions 0..T-1 and would let packed "
+                    "conversations attend to each other; allowed: a family that runs its own "
+                    f"forward (not {', '.join(FAMILIES)}), or data.pack=false"
+                )
+            idx, positions = idx[:, 0], idx[:, 1]
         if self.family not in FAMILIES:
             hf = self.hf
-            out = hf(input_ids=idx, use_cache=False)
+            # no cache: with one, transformers skips the packed-sequence mask
+            out = hf(input_ids=idx, position_ids=positions, use_cache=False)
             aux = getattr(out, "aux_loss", None)
             if isinstance(aux, torch.Tensor):
                 weight = getattr(hf.config, "router_aux_loss_coef", 1.0)

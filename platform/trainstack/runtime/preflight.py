@@ -160,6 +160,8 @@ def check_model_runs(cfg: JobConfig, model: nn.Module, *, task: Task, corpus: So
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             outputs = task.outputs(model, x, y)
+    except ConfigError:  # the model refuses the spec in its own line (data.pack)
+        raise
     except Exception as e:
         raise ConfigError(
             f"model {where!r} failed on one input of shape {list(x.shape)} "

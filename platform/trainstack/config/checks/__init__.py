@@ -16,6 +16,7 @@ from trainstack.config.checks.model_data import (
     validate_data,
     validate_fused_loss,
     validate_model,
+    validate_pack,
     validate_task,
 )
 from trainstack.config.checks.moe import validate_moe
@@ -55,6 +56,7 @@ def validate(cfg: JobConfig) -> None:
     validate_parameter_server(cfg)
     validate_moe(cfg)
     validate_fused_loss(cfg)
+    validate_pack(cfg)
     validate_compression(cfg)
     validate_scaling(cfg.scaling)
     validate_checkpoint(cfg.checkpoint)

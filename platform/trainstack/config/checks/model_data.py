@@ -133,6 +133,27 @@ def validate_fused_loss(cfg: JobConfig) -> None:
         raise ConfigError(f"model.fused_loss=true {why}; set model.fused_loss=false")
 
 
+def validate_pack(cfg: JobConfig) -> None:
+    """`data.pack` hands the model position ids beside the tokens, which only a Hugging
+    Face family's own forward takes (its llama and gpt2 are refused when the model is
+    built: their forward here is the pipeline layers, which count positions 0..T-1)."""
+    if not cfg.data.pack:
+        return
+    why = None
+    if cfg.data.kind != "chat":
+        why = f"packs conversations: it is for data.kind chat; got {cfg.data.kind}"
+    elif cfg.model.kind != "hf":
+        why = f"gives the model position ids: it is for model.kind hf; got {cfg.model.kind}"
+    elif kind_of(cfg).ranks == "pipeline":
+        allowed = kinds_that(lambda k: k.ranks != "pipeline")
+        why = (
+            "gives the model position ids, which a pipeline's stages do not pass on (they "
+            f"count 0..T-1); allowed with strategy.kind {allowed}"
+        )
+    if why:
+        raise ConfigError(f"data.pack=true {why}; or set data.pack=false")
+
+
 def validate_task(cfg: JobConfig) -> None:
     t = cfg.task
     check_choice("task.kind", t.kind, TASK_KINDS)
