@@ -15,6 +15,7 @@ from trainstack.runtime.gloo_processes import run_processes
 
 from bounds import FP64_BOUND, assert_trained, max_difference, one_process
 from chat_data import make_tokenizer, sums, write_jsonl
+from user_model_specs import HF_WIDTHS
 
 
 def spec(tmp_path: Path) -> dict[str, Any]:
@@ -50,4 +51,20 @@ def test_two_ranks_on_chat_data_train_what_one_process_trains(tmp_path: Path) ->
     assert_trained(reference, raw)
     # Answers are a few words of 31 tokens: the held-out loss, on them alone, is well
     # below a uniform guess's ln 32 after 12 steps (measured: 2.011; untrained: about 3.5).
+    assert summary["eval_loss"] < math.log(32) - 1.0
+
+
+def test_two_ranks_on_packed_chat_rows_train_what_one_process_trains(tmp_path: Path) -> None:
+    raw = spec(tmp_path)
+    raw["name"] = "chat-packed"
+    raw["model"] = {"kind": "hf", "hf": {"model_type": "qwen2", **HF_WIDTHS}, "block_size": 48}
+    raw["data"] |= {"pack": True, "eval_samples": 3}  # 40 conversations in 14 rows, 8 in 3
+    reference = one_process(raw, tmp_path / "ref")
+    summary = run_processes(config_from_dict(raw), world_size=2, out_dir=tmp_path / "ddp")
+    weights = torch.load(tmp_path / "ddp" / "model.pt", weights_only=True)
+    diff = max_difference(weights, reference)
+    print(f"packed chat, ddp 2 vs one process: {diff:.3g}; held-out {summary['eval_loss']:.3f}")
+    # measured: 0 (bitwise), held-out loss 1.224 on the answers
+    assert diff < FP64_BOUND
+    assert_trained(reference, raw)
     assert summary["eval_loss"] < math.log(32) - 1.0
