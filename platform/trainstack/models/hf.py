@@ -31,7 +31,10 @@ one without a plan (gpt2, falcon) or whose plan splits its experts inside (mixtr
 qwen3_moe) is refused in one line. Ties: a tied embedding stays one Parameter, in the
 first layer and the last. A mixture-of-experts family trains on the cross-entropy
 alone, or with `output_router_logits` also on its balance loss (see
-`HFCausalLM.forward`).
+`HFCausalLM.forward`). Packed chat rows (`data.pack`: inputs [B, 2, T], token ids and
+position ids restarting at each conversation) reach a family's own forward, which keeps
+each conversation to itself; llama and gpt2, whose forward here counts positions 0..T-1,
+refuse them in one line.
 """
 
 from __future__ import annotations
