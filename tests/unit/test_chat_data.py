@@ -271,6 +271,35 @@ def test_packed_rows_hold_whole_conversations_each_as_its_unpacked_sample(
     assert packed.fingerprint != alone.fingerprint
 
 
+def test_packed_rows_resume_mid_run_at_another_world_size_as_one_process_reads_them(
+    tmp_path: Path,
+) -> None:
+    raw = packing(spec(tmp_path, sums(30)))  # shuffled epochs of its packed rows
+    raw["model"]["block_size"] = 48
+    raw["train"] = {"global_batch_size": 4, "micro_batch_size": 2}
+    cfg = resolve_data(config_from_dict(raw))
+    corpus = build_corpus(cfg.data)
+    rows = len(corpus.at(48).train)
+    assert 4 < rows < 30  # conversations share rows
+    steps = 2 * rows // 4 + 1  # past the end of the second epoch
+
+    def step_inputs(world: int, *, start: int, count: int) -> list[torch.Tensor]:
+        """Each step's global batch, rank after rank, from sample `start` on."""
+        ranks = [
+            ShardedBatches.for_job(cfg, corpus, rank=r, world_size=world, samples_seen=start)
+            for r in range(world)
+        ]
+        return [torch.cat([x for b in ranks for x, _ in b.next_step()]) for _ in range(count)]
+
+    one = step_inputs(1, start=0, count=steps)
+    resumed = step_inputs(2, start=4 * 3, count=steps - 3)  # resumed after step 3 on 2 ranks
+    assert all(torch.equal(a, b) for a, b in zip(one[3:], resumed, strict=True))
+    samples = torch.cat(one)  # [sample, 2, T]: the stream, epoch after epoch
+    first, second = samples[:rows], samples[rows : 2 * rows]
+    assert not torch.equal(first, second)  # each epoch in its own order ...
+    assert sorted(map(str, first.tolist())) == sorted(map(str, second.tolist()))  # same rows
+
+
 def test_packing_keeps_a_truncated_conversation_whole_in_a_row_of_its_own(tmp_path: Path) -> None:
     raw = spec(tmp_path, [sums(1)[0], TWO_TURNS, sums(2)[1]], truncate=True)
     raw["model"]["block_size"] = 16  # TWO_TURNS' 26 tokens cut to 17: 16 inputs, one row
