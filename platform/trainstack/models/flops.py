@@ -22,6 +22,7 @@ from torch.utils.flop_counter import (
 )
 
 from trainstack.data.sharding import Batch
+from trainstack.models.on_meta import has_meta_parameters
 from trainstack.tasks import Task
 
 
@@ -49,7 +50,7 @@ def count_training_flops(model: nn.Module, batch: Batch, *, task: Task) -> int:
     model whose parameters are on the meta device (a pretrained one read rank by rank)
     is counted on a copy of fake tensors: shapes alone, no storage (transformers skips
     its data-dependent checks on fake tensors, which meta ones fail)."""
-    if any(p.is_meta for p in model.parameters()):
+    if has_meta_parameters(model):
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         twin = copy.deepcopy(model)
