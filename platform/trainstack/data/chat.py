@@ -67,6 +67,13 @@ class Conversation:
     where: str
     """`file:line`, for errors."""
 
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Its token ids [L], and the targets of its first L - 1 positions: the next
+        token where an assistant wrote it, else `IGNORED_TARGET`."""
+        tokens = torch.tensor(self.ids, dtype=torch.int64)
+        keep = torch.tensor(self.trained[1:], dtype=torch.bool)
+        return tokens, torch.where(keep, tokens[1:], IGNORED_TARGET)
+
 
 def messages_of(record: object, *, where: str) -> list[dict[str, str]]:
     """The messages of one jsonl record, checked (a ConfigError naming `where`)."""
@@ -251,13 +258,11 @@ class ChatSamples:
         x = torch.full((len(ids), seq_len), self.pad_id, dtype=torch.int64)
         y = torch.full((len(ids), seq_len), IGNORED_TARGET, dtype=torch.int64)
         for row, i in enumerate(np.asarray(ids).tolist()):
-            chat = self.chats[i]
-            tokens = torch.tensor(chat.ids, dtype=torch.int64)
+            tokens, targets = self.chats[i].tensors()
             shown = min(len(tokens), seq_len)
             x[row, :shown] = tokens[:shown]
-            targets = min(len(tokens) - 1, seq_len)  # positions that have a next token
-            keep = torch.tensor(chat.trained[1 : targets + 1], dtype=torch.bool)
-            y[row, :targets] = torch.where(keep, tokens[1 : targets + 1], IGNORED_TARGET)
+            scored = min(len(targets), seq_len)  # positions that have a next token
+            y[row, :scored] = targets[:scored]
         return x, y
 
 
@@ -280,12 +285,11 @@ class PackedChatSamples:
         for row, i in enumerate(np.asarray(ids).tolist()):
             at = 0
             for chat in (self.chats[c] for c in self.rows[i]):
-                tokens = torch.tensor(chat.ids, dtype=torch.int64)
-                width = len(tokens) - 1
+                tokens, targets = chat.tensors()
+                width = len(targets)
                 x[row, 0, at : at + width] = tokens[:-1]
                 x[row, 1, at : at + width] = torch.arange(width)
-                keep = torch.tensor(chat.trained[1:], dtype=torch.bool)
-                y[row, at : at + width] = torch.where(keep, tokens[1:], IGNORED_TARGET)
+                y[row, at : at + width] = targets
                 at += width
             x[row, 1, at:] = torch.arange(seq_len - at)  # padding: a sequence of its own
         return x, y
