@@ -9,6 +9,8 @@ this rank's part of its tensor. Its Hugging Face reader is kept for the planning
 bytes are read here with plain file reads of each part's contiguous runs
 (`SliceReader`), not through a memory map, which would keep every file page a rank
 touched resident in it until the file closes (as much again as the part it keeps).
+`read_runs` reads runs of flattened tensors the same way, without DCP's planning (a
+ZeRO-3 partition: one byte range of one file).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import itertools
 import json
 import math
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -71,6 +74,26 @@ def read_parts(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
 
     with single_process_is_intended():
         dcp.load(tensors, storage_reader=_slice_reader(folder))
+
+
+def read_runs(folder: Path, runs: Mapping[str, tuple[int, torch.Tensor]]) -> None:
+    """Fill each 1-D tensor of `runs` (a saved name -> (first, into)) with that saved
+    tensor's flattened elements from `first` on, converted to its dtype: one contiguous
+    byte range of one file each (a ZeRO-3 partition; a whole tensor from 0). Not a
+    collective: each rank reads its own runs."""
+    files = saved_files(folder)
+    assert files is not None, "build_hf_model loads such a folder whole"
+    for path in files:
+        header = _header(path)
+        names = [name for name in runs if name in header]
+        if not names:
+            continue
+        with open(path, "rb", buffering=0) as f:
+            for name in names:
+                start, saved = header[name]
+                first, into = runs[name]
+                flat = SavedTensor(shape=(math.prod(saved.shape),), dtype=saved.dtype)
+                read_slice(f, start=start, saved=flat, offsets=(first,), into=into)
 
 
 def _slice_reader(folder: Path) -> Any:
@@ -151,11 +174,34 @@ def _read_into(f: BinaryIO, view: memoryview) -> None:
 
 def _data_offsets(path: Path) -> dict[str, int]:
     """Each tensor's first byte in the safetensors file at `path` (its header says)."""
+    return {key: start for key, (start, _) in _header(path).items()}
+
+
+_DTYPES = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+}
+"""safetensors' dtype names, those a model's weights and buffers are saved in."""
+
+
+def _header(path: Path) -> dict[str, tuple[int, SavedTensor]]:
+    """Each tensor in the safetensors file at `path`: its first byte, shape and dtype."""
     with path.open("rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(length))
     return {
-        key: 8 + length + entry["data_offsets"][0]
+        key: (
+            8 + length + entry["data_offsets"][0],
+            SavedTensor(shape=tuple(entry["shape"]), dtype=_DTYPES[entry["dtype"]]),
+        )
         for key, entry in header.items()
         if key != "__metadata__"
     }
