@@ -19,15 +19,22 @@ def scaled_lr(cfg: OptimConfig, *, data_parallel_size: int) -> float:
     return cfg.lr
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, *, lr: float) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, *, lr: float, device: torch.device | None = None
+) -> torch.optim.Optimizer:
     """AdamW or SGD; weight decay applies to matrices only (not biases, norms). On a GPU
-    (`optim.fused`) one fused kernel updates every parameter; else torch's default."""
+    (`optim.fused`) one fused kernel updates every parameter; else torch's default.
+    `device`: where the parameters will train, where they are not yet (on the meta
+    device); else where they are."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    on_gpu = bool(params) and all(p.device.type == "cuda" for p in params)
+    if device is not None:
+        on_gpu = bool(params) and device.type == "cuda"
+    else:
+        on_gpu = bool(params) and all(p.device.type == "cuda" for p in params)
     fused = True if cfg.fused and on_gpu else None  # None: torch picks foreach
     if cfg.kind == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=cfg.betas, fused=fused)
