@@ -9,7 +9,10 @@ rank its stage's tensors) and tensor parallel 2 (each rank its rows or columns);
 loaded model's logits on fixed tokens, before any step, are held to
 `AutoModelForCausalLM.from_pretrained` on the same folder, in float64. Under ZBV (rank 0
 holds the first stage and the last: both copies of the tie) the stages' weights are held
-to the folder's; and a whole fsdp run from the folder to a ddp run from it.
+to the folder's; and a whole fsdp run from the folder to a ddp run from it. Under ZeRO-3
+(with and without offload; DeepSpeed trains in fp32 at most, so held to transformers'
+fp32 logits) each rank reads its partition of every tensor, the bytes it reads counted:
+half the folder each, every byte once between them; under ZeRO-2 each rank reads it all.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
+from trainstack.checkpoint import pretrained
 from trainstack.config import config_from_dict
 from trainstack.models.on_meta import has_meta_parameters
 from trainstack.runtime.gloo_processes import rendezvous, run_processes
@@ -49,7 +53,19 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "tensor_parallel": {"kind": "fsdp", "tensor_parallel": 2},  # parts of columns too
     # 4 stages folded back: rank 0 holds the first and the last, both copies of the tie
     "zbv": {"kind": "pipeline", "stages": 2, "schedule": "zbv", "microbatches": 2},
+    # DeepSpeed trains in fp32 at most: held to transformers' fp32 logits (ZERO_BOUND)
+    "zero3": {"kind": "zero", "stage": 3},
+    "zero3_offload": {
+        "kind": "zero",
+        "stage": 3,
+        "offload_optimizer": "cpu",
+        "offload_param": "cpu",
+    },
+    "zero2": {"kind": "zero", "stage": 2},
 }
+ZERO_BOUND = 1e-5
+"""float32 on both sides, the same weights through the same math (DeepSpeed's own linear
+under ZeRO-3): rounding alone (0 here); each rank reading the other's run differs by 0.43."""
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +91,12 @@ def spec(layout: str, folder: Path, storage: Path) -> dict[str, Any]:
         "name": f"pretrained-{layout}",
         "model": {"kind": "hf", "pretrained": str(folder), "block_size": SEQ},
         "data": {"vocab_size": VOCAB, "order": 1},
-        "train": {"steps": 1, "global_batch_size": 4, "micro_batch_size": 2, "precision": "fp64"},
+        "train": {
+            "steps": 1,
+            "global_batch_size": 4,
+            "micro_batch_size": 2,
+            "precision": "fp32" if LAYOUTS[layout]["kind"] == "zero" else "fp64",
+        },
         "optim": {"warmup_steps": 0},
         "strategy": LAYOUTS[layout],
         "scaling": {"num_workers": 2},
@@ -96,6 +117,14 @@ def _worker(rank: int, raw: dict[str, Any], init_method: str, out: str) -> None:
         return load(*args, **kwargs)
 
     transformers.AutoModelForCausalLM.from_pretrained = counted  # type: ignore[method-assign]
+    bytes_read = [0]
+    read_into = pretrained._read_into
+
+    def counted_read(f: Any, view: memoryview) -> None:  # every read of a saved tensor's bytes
+        bytes_read[0] += len(view)
+        read_into(f, view)
+
+    pretrained._read_into = counted_read  # type: ignore[assignment]
     try:
         cfg = config_from_dict(raw)
         ctx = WorkerContext(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"))
@@ -125,11 +154,19 @@ def _worker(rank: int, raw: dict[str, Any], init_method: str, out: str) -> None:
             "built_on_meta": built_on_meta,
             "whole_loads": len(whole_loads),
             "params": total,
-            "held": sum(local_part(p).numel() for p in held.parameters()),
+            "held": sum(_held(p).numel() for p in held.parameters()),
+            "bytes_read": bytes_read[0],
         }
         torch.save(result, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def _held(p: torch.Tensor) -> torch.Tensor:
+    """What this rank stores of a parameter: a DTensor's local shard, a ZeRO-3
+    parameter's partition (`ds_tensor`), else the tensor."""
+    partition = getattr(p, "ds_tensor", None)
+    return partition if partition is not None else local_part(p)
 
 
 _RUNS: dict[str, list[dict[str, Any]]] = {}
@@ -147,7 +184,7 @@ def loaded(layout: str, folder: Path, tmp_path: Path) -> list[dict[str, Any]]:
     return _RUNS[layout]
 
 
-@pytest.mark.parametrize("layout", [layout for layout in LAYOUTS if layout != "zbv"])
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "pipeline", "tensor_parallel"])
 def test_a_pretrained_model_starts_from_the_logits_transformers_loads(
     layout: str, folder: Path, tmp_path: Path
 ) -> None:
@@ -215,3 +252,60 @@ def test_fsdp_from_a_pretrained_folder_trains_what_ddp_trains_from_it(
     assert max_difference(weights["fsdp"], weights["ddp"]) < FP64_BOUND
     start = {k: v for f in folder.glob("*.safetensors") for k, v in load_file(f).items()}
     assert max_difference({k: weights["ddp"][k] for k in start}, start) > MOVED
+
+
+def saved_weights(folder: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.mark.parametrize("layout", ["zero3", "zero3_offload"])
+def test_zero3_ranks_read_only_their_partitions_and_start_from_transformers_logits(
+    layout: str, folder: Path, tmp_path: Path
+) -> None:
+    """ZeRO-3 (with and without offload) builds the model on the meta device, partitions
+    it before DeepSpeed's engine is built, and each rank reads its partition of every
+    saved tensor: the ranks' reads add up to the folder's bytes, each byte once, so each
+    reads half of it; the logits equal transformers' (fp32), and the full weights gathered
+    from the optimizer's fp32 master partitions equal the folder's."""
+    import transformers
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+    with torch.no_grad():
+        theirs = reference.eval()(input_ids=tokens()).logits
+    saved = saved_weights(folder)
+    folder_bytes = sum(v.numel() * v.element_size() for v in saved.values())
+    ranks = loaded(layout, folder, tmp_path)
+    for rank, result in enumerate(ranks):
+        diff = float((result["logits"] - theirs).abs().max())
+        share = result["held"] / result["params"]
+        print(
+            f"{layout} rank {rank}: max |logit difference| {diff:.3g}; read "
+            f"{result['bytes_read']} of the folder's {folder_bytes} bytes; holds "
+            f"{result['held']} of {result['params']} parameters ({share:.2f})"
+        )
+        assert result["built_on_meta"] and result["whole_loads"] == 0
+        assert diff < ZERO_BOUND
+        assert result["bytes_read"] < 0.6 * folder_bytes and share < 0.6
+    assert sum(r["bytes_read"] for r in ranks) == folder_bytes
+    weights = ranks[0]["stages"]["model.pt"]  # gathered from the fp32 master partitions
+    saved["lm_head.weight"] = saved["model.embed_tokens.weight"]
+    assert weights.keys() == saved.keys()
+    assert not [k for k, v in weights.items() if not torch.equal(v, saved[k])]
+
+
+def test_zero2_ranks_read_the_whole_folder_into_a_model_built_on_meta(
+    folder: Path, tmp_path: Path
+) -> None:
+    """Stages 1-2 keep every parameter whole on every rank: each rank reads the whole
+    folder (once) into the model built on the meta device, and starts from transformers'
+    logits."""
+    import transformers
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+    with torch.no_grad():
+        theirs = reference.eval()(input_ids=tokens()).logits
+    folder_bytes = sum(v.numel() * v.element_size() for v in saved_weights(folder).values())
+    for result in loaded("zero2", folder, tmp_path):
+        assert result["built_on_meta"] and result["whole_loads"] == 0
+        assert result["bytes_read"] == folder_bytes
+        assert float((result["logits"] - theirs).abs().max()) < ZERO_BOUND

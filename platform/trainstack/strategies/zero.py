@@ -9,6 +9,11 @@ clipping, the optimizer step and the schedule step, so a step means what it mean
 under DDPStrategy. The set-up it shares with the DeepSpeed pipeline is in
 `deepspeed_engine.py`.
 
+A `model.pretrained` comes with its parameters on the meta device: under stage 3 each
+rank gives storage to its partition of each parameter only, before the engine is built,
+and reads just that run of each saved tensor (`load_pretrained`,
+strategies/zero_pretrained.py); under 1-2 each rank holds and reads the whole model.
+
 DeepSpeed is imported inside the methods that use it: importing it is slow and prints
 a notice.
 """
@@ -24,6 +29,7 @@ from torch import nn
 from trainstack.checkpoint import Checkpoint, rank_file
 from trainstack.config import JobConfig
 from trainstack.data.sharding import Batch
+from trainstack.models.on_meta import has_meta_parameters
 from trainstack.optim import build_optimizer, scaled_lr
 from trainstack.strategies.base import (
     StepOutput,
@@ -43,6 +49,8 @@ from trainstack.strategies.deepspeed_engine import (
     master_partitions,
     weights_only_value,
 )
+from trainstack.strategies.pretrained_parts import materialise, place
+from trainstack.strategies.zero_pretrained import partition_on_meta, read_held
 from trainstack.tasks import EvalSums, build_task, eval_mode, evaluate
 
 
@@ -107,17 +115,34 @@ class ZeROStrategy:
         self.task = build_task(cfg)
 
     def setup(self, model: nn.Module) -> None:
+        """Place the model, build the optimizer and DeepSpeed's engine around both. A model
+        with meta parameters (a pretrained one, `load_pretrained` fills it) gets storage
+        for what this rank holds: under stage 3 its partition of each parameter, given
+        before the engine is built (which then finds the model partitioned); under 1-2
+        every parameter whole."""
         init_deepspeed_comm(self.ctx)
-        model.to(self.ctx.device)
+        config = deepspeed_config(self.cfg)
+        on_meta = has_meta_parameters(model)
+        place(model, self.ctx.device)
         apply_compile(self.cfg, model)
         lr = scaled_lr(self.cfg.optim, data_parallel_size=self.ctx.world_size)
+        # Built while the parameters still have their shapes (decay goes by dimensions).
         optimizer = self._build_optimizer(model, lr=lr)
-        self.engine, self.scheduler = build_engine(
-            model, optimizer, cfg=self.cfg, config=deepspeed_config(self.cfg)
-        )
+        if on_meta and self.cfg.strategy.stage == 3:
+            partition_on_meta(model, config=config)
+        else:
+            materialise(model, self.ctx.device)
+        self.engine, self.scheduler = build_engine(model, optimizer, cfg=self.cfg, config=config)
+
+    def load_pretrained(self, folder: str) -> None:
+        """Each rank reads what it holds (`LoadsPretrainedParts`): its partition of every
+        saved tensor under stage 3, every tensor whole under 1-2; the optimizer's fp32
+        master copy is then taken from the weights read, as the engine takes it at start."""
+        read_held(self.unwrapped_model(), folder)
+        self._engine().optimizer.refresh_fp32_params()
 
     def _build_optimizer(self, model: nn.Module, *, lr: float) -> torch.optim.Optimizer:
-        optimizer = build_optimizer(model, self.cfg.optim, lr=lr)
+        optimizer = build_optimizer(model, self.cfg.optim, lr=lr, device=self.ctx.device)
         if self.cfg.strategy.offload_optimizer == "none":
             return optimizer
         # Offloaded, the step runs on the host; DeepSpeed insists on its CPU Adam (a
