@@ -11,9 +11,9 @@ saved config.json and weights are the start; `model.dropout` and `model.hf` over
 the saved config only where every saved weight still loads as it is (dropout or rope
 may change, not layers or widths), and `model.hf.model_type`, if given, must be the
 saved one. Every rank loads the whole model, except under a strategy that shards or cuts
-it (fsdp, the torch pipelines): there each rank builds it with its parameters on the
-meta device and reads only its own part of each saved tensor (`build_hf_model`'s
-`on_meta`; docs/model.md).
+it (fsdp, the torch pipelines, zero; `LoadsPretrainedParts`): there each rank builds it
+with its parameters on the meta device and reads only its own part of each saved tensor
+(`build_hf_model`'s `on_meta`; docs/model.md).
 
 `HFCausalLM` holds the HF model's top-level modules under their own names (state_dict
 keys are HF's). A family with pipeline layers here (`FAMILIES`: llama, gpt2) computes

@@ -115,7 +115,8 @@ class LoadsPretrainedParts(Protocol):
     """An optional ability: a strategy that shards or cuts the model takes a pretrained
     one with its parameters on the meta device (`build_model(pretrained_on_meta=True)`),
     gives each rank storage for its own part in `setup`, then reads that part alone
-    from the folder (strategies/pretrained_parts.py)."""
+    from the folder (fsdp and the torch pipelines: strategies/pretrained_parts.py; ZeRO:
+    strategies/zero_pretrained.py, where stages 1-2 hold and read the whole model)."""
 
     def load_pretrained(self, folder: str) -> None:
         """After `setup`: fill this rank's part of the model from the save_pretrained

@@ -1,6 +1,7 @@
 """Pretrained weights read rank by rank, for strategies that shard or cut the model.
 
-Such a strategy (`LoadsPretrainedParts`: fsdp, the torch pipelines) gets a pretrained
+Such a strategy (`LoadsPretrainedParts`: fsdp, the torch pipelines; ZeRO partitions
+its own way, `zero_pretrained.py`, and uses `place` and `materialise`) gets a pretrained
 model whose parameters are on the meta device (`models/on_meta.py`) and its buffers
 real. In `setup` it places the buffers (`place`), shards or cuts the model as always
 (FSDP2, tensor parallelism and pipeline stages take meta parameters), and only then
