@@ -20,7 +20,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from trainstack.compression import ErrorFeedback, build_compressor, register_compression
@@ -28,7 +27,7 @@ from trainstack.compression.lowrank import initial_q, low_rank_shape, orthonorma
 from trainstack.compression.sparsify import sparse_k
 from trainstack.config import CompressionConfig, ModelConfig, OptimConfig
 from trainstack.models import build_model
-from trainstack.runtime.gloo_processes import rendezvous
+from trainstack.runtime.gloo_processes import rendezvous, start_processes
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -240,7 +239,7 @@ def worker(rank: int, init_method: str, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("compression")
-    mp.spawn(worker, args=(rendezvous(out), str(out)), nprocs=WORLD)
+    start_processes(worker, args=(rendezvous(out), str(out)), nprocs=WORLD)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 

@@ -15,7 +15,6 @@ data source, no training loop), against a one-process AdamW reference written ou
 from __future__ import annotations
 
 import math
-import multiprocessing
 import os
 from pathlib import Path
 from typing import Any
@@ -23,14 +22,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 from trainstack.config import ModelConfig, config_from_dict
 from trainstack.models import build_model
 from trainstack.optim import build_optimizer, build_scheduler
-from trainstack.runtime.gloo_processes import rendezvous
+from trainstack.runtime.gloo_processes import rendezvous, start_processes
 from trainstack.strategies import WorkerContext, build_strategy
 from trainstack.strategies.base import weight_dtype
 from trainstack.tasks import EvalSums, build_task, evaluate
@@ -280,10 +278,8 @@ def _worker(rank: int, raw: dict[str, Any], model: str, init_method: str, out: s
 def run_pipeline(raw: dict[str, Any], model: str, out: Path) -> list[dict[str, Any]]:
     """Every rank's results: stage files, comm bytes, eval sums and grad norms."""
     out.mkdir(parents=True, exist_ok=True)
-    multiprocessing.set_forkserver_preload(["trainstack.runtime.gloo_processes"])
     world = raw["scaling"]["num_workers"]
-    args = (raw, model, rendezvous(out), str(out))
-    mp.start_processes(_worker, args=args, nprocs=world, start_method="forkserver")
+    start_processes(_worker, args=(raw, model, rendezvous(out), str(out)), nprocs=world)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 

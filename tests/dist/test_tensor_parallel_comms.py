@@ -15,14 +15,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainstack.config import ModelConfig, config_from_dict
 from trainstack.models import build_model
 from trainstack.models.gpt import GPT
-from trainstack.runtime.gloo_processes import rendezvous
+from trainstack.runtime.gloo_processes import rendezvous, start_processes
 from trainstack.strategies.tensor_parallel import apply_tensor_parallel
 
 from user_model_specs import MODELS
@@ -82,7 +81,7 @@ def test_sequence_parallel_blocks_issue_two_all_gathers_and_two_reduce_scatters(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "counts.json"
-    mp.spawn(worker, args=(rendezvous(tmp_path), str(out), "gpt"), nprocs=2)
+    start_processes(worker, args=(rendezvous(tmp_path), str(out), "gpt"), nprocs=2)
     counts = json.loads(out.read_text())
     assert counts["forward"] == {
         "all_gather": 2 * LAYERS + 1,  # + the LM head's input
@@ -99,7 +98,7 @@ def test_llama_layers_without_sequence_parallelism_issue_two_all_reduces(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "counts.json"
-    mp.spawn(worker, args=(rendezvous(tmp_path), str(out), "llama"), nprocs=2)
+    start_processes(worker, args=(rendezvous(tmp_path), str(out), "llama"), nprocs=2)
     counts = json.loads(out.read_text())
     assert counts["forward"] == {
         "all_gather": 0,
