@@ -26,6 +26,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from trainstack.checkpoint.blocks import as_blocks
 from trainstack.checkpoint.sharded import single_process_is_intended
 
 SINGLE_FILE = "model.safetensors"
@@ -72,7 +73,7 @@ def read_parts(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
     rank calls it, each with its own tensors (a pipeline's ranks hold different keys)."""
     import torch.distributed.checkpoint as dcp
 
-    with single_process_is_intended():
+    with single_process_is_intended(), as_blocks(tensors):
         dcp.load(tensors, storage_reader=_slice_reader(folder))
 
 

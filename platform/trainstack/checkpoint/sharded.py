@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from trainstack.checkpoint.blocks import as_blocks
 from trainstack.storage import StorePath, open_binary
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ def save_sharded(folder: Path, state: ShardedState) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     before = set(folder.iterdir())
     writer = dcp.FileSystemWriter(folder, single_file_per_rank=True, thread_count=1)
-    with single_process_is_intended():
+    with single_process_is_intended(), as_blocks(state.state):
         dcp.save(state.state, storage_writer=writer)
     return sorted(set(folder.iterdir()) - before)
 
@@ -68,7 +69,7 @@ def load_sharded(checkpoint: Checkpoint, folder: str, state: dict[str, Any]) -> 
     distributed, resharding whatever layout wrote it."""
     import torch.distributed.checkpoint as dcp
 
-    with _readable(checkpoint, folder) as path, single_process_is_intended():
+    with _readable(checkpoint, folder) as path, single_process_is_intended(), as_blocks(state):
         dcp.load(state, storage_reader=dcp.FileSystemReader(path))
 
 
