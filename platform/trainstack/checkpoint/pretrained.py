@@ -10,11 +10,14 @@ bytes are read here with plain file reads of each part's contiguous runs
 (`SliceReader`), not through a memory map, which would keep every file page a rank
 touched resident in it until the file closes (as much again as the part it keeps).
 `read_runs` reads runs of flattened tensors the same way, without DCP's planning (a
-ZeRO-3 partition: one byte range of one file).
+ZeRO-3 partition: one byte range of one file). A file's header is read once per
+process, whoever asks (`_header`: the model's check of names and shapes, DCP's
+planning, the reads), and again only when the file changes.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -51,20 +54,39 @@ def saved_shapes(folder: Path) -> dict[str, list[int]] | None:
     """Each saved tensor's name and shape, from the files' headers; None where the
     folder is not a plain set of safetensors files (`saved_files`) or a header does not
     read (transformers' own loading then says why)."""
-    from safetensors import SafetensorError, safe_open
+    saved = saved_tensors(folder)
+    return None if saved is None else {name: list(at.tensor.shape) for name, at in saved.items()}
 
+
+@dataclass(frozen=True)
+class SavedTensor:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class SavedAt:
+    """Where a saved tensor is: its file and first byte there, and what it is."""
+
+    path: Path
+    start: int
+    tensor: SavedTensor
+
+
+def saved_tensors(folder: Path) -> dict[str, SavedAt] | None:
+    """Each saved tensor by name, from the files' headers (`_header`); None as for
+    `saved_shapes`."""
     files = saved_files(folder)
     if files is None:
         return None
-    shapes: dict[str, list[int]] = {}
+    found: dict[str, SavedAt] = {}
     try:
         for path in files:
-            with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    shapes[key] = list(f.get_slice(key).get_shape())
-    except (OSError, SafetensorError):
+            for name, (start, tensor) in _header(path).items():
+                found[name] = SavedAt(path=path, start=start, tensor=tensor)
+    except (OSError, ValueError, struct.error):
         return None
-    return shapes
+    return found
 
 
 def read_parts(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -82,44 +104,65 @@ def read_runs(folder: Path, runs: Mapping[str, tuple[int, torch.Tensor]]) -> Non
     tensor's flattened elements from `first` on, converted to its dtype: one contiguous
     byte range of one file each (a ZeRO-3 partition; a whole tensor from 0). Not a
     collective: each rank reads its own runs."""
-    files = saved_files(folder)
-    assert files is not None, "build_hf_model loads such a folder whole"
-    for path in files:
-        header = _header(path)
-        names = [name for name in runs if name in header]
-        if not names:
-            continue
+    saved = saved_tensors(folder)
+    assert saved is not None, "build_hf_model loads such a folder whole"
+    by_file: dict[Path, list[str]] = {}
+    for name in runs:
+        by_file.setdefault(saved[name].path, []).append(name)
+    for path, names in by_file.items():
         with open(path, "rb", buffering=0) as f:
             for name in names:
-                start, saved = header[name]
+                at = saved[name]
                 first, into = runs[name]
-                flat = SavedTensor(shape=(math.prod(saved.shape),), dtype=saved.dtype)
-                read_slice(f, start=start, saved=flat, offsets=(first,), into=into)
+                flat = SavedTensor(shape=(math.prod(at.tensor.shape),), dtype=at.tensor.dtype)
+                read_slice(f, start=at.start, saved=flat, offsets=(first,), into=into)
 
 
 def _slice_reader(folder: Path) -> Any:
     """A `SliceReader` (defined here: torch.distributed.checkpoint loads on first use)."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     class SliceReader(HuggingFaceStorageReader):
-        """DCP's Hugging Face reader, its data read with `read_slice`."""
+        """DCP's Hugging Face reader, planning from this module's headers (`SavedAt`
+        as each tensor's storage data) and reading with `read_slice`."""
+
+        def read_metadata(self) -> Metadata:
+            saved = saved_tensors(folder)
+            assert saved is not None, "build_hf_model loads such a folder whole"
+            tensors = {}
+            storage: dict[MetadataIndex, Any] = {}
+            for name, at in saved.items():
+                shape = torch.Size(at.tensor.shape)
+                whole = ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=shape)
+                tensors[name] = TensorStorageMetadata(
+                    properties=TensorProperties(dtype=at.tensor.dtype), size=shape, chunks=[whole]
+                )
+                storage[MetadataIndex(fqn=name, offset=[0] * len(shape))] = at
+            metadata = Metadata(state_dict_metadata=tensors, storage_data=storage)  # type: ignore[arg-type]
+            metadata.storage_meta = StorageMeta(load_id=self.load_id)
+            return metadata
 
         def read_data(self, plan: Any, planner: Any) -> torch.futures.Future[None]:
-            by_file: dict[str, list[Any]] = {}
+            by_file: dict[Path, list[Any]] = {}
             for item in plan.items:
-                by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
-                    item
-                )
+                by_file.setdefault(self.storage_data[item.storage_index].path, []).append(item)
             for path, items in by_file.items():
-                offsets = _data_offsets(Path(path))
                 with open(path, "rb", buffering=0) as f:
                     for item in items:
-                        saved = self.storage_data[item.storage_index]
+                        at: SavedAt = self.storage_data[item.storage_index]
                         target = planner.resolve_tensor(item).detach()
                         read_slice(
                             f,
-                            start=offsets[item.storage_index.fqn],
-                            saved=SavedTensor(shape=tuple(saved.shape), dtype=saved.dtype),
+                            start=at.start,
+                            saved=at.tensor,
                             offsets=tuple(item.storage_offsets),
                             into=target,
                         )
@@ -129,12 +172,6 @@ def _slice_reader(folder: Path) -> Any:
             return done
 
     return SliceReader(str(folder))
-
-
-@dataclass(frozen=True)
-class SavedTensor:
-    shape: tuple[int, ...]
-    dtype: torch.dtype
 
 
 def read_slice(
@@ -189,20 +226,44 @@ _DTYPES = {
     "BF16": torch.bfloat16,
     "F32": torch.float32,
     "F64": torch.float64,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 """safetensors' dtype names, those a model's weights and buffers are saved in."""
 
 
-def _header(path: Path) -> dict[str, tuple[int, SavedTensor]]:
-    """Each tensor in the safetensors file at `path`: its first byte, shape and dtype."""
+def _header(path: Path) -> Mapping[str, tuple[int, SavedTensor]]:
+    """Each tensor in the safetensors file at `path`: its first byte, shape and dtype.
+    Read once per process while the file is unchanged (its size and time say); ValueError
+    where the header does not describe the file (a name, dtype or range it cannot hold)."""
+    stat = path.stat()
+    return _read_header(path, size=stat.st_size, modified_ns=stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=256)
+def _read_header(
+    path: Path, *, size: int, modified_ns: int
+) -> Mapping[str, tuple[int, SavedTensor]]:
     with path.open("rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
+        if 8 + length > size:
+            raise ValueError(f"{path}: a header of {length} bytes in a file of {size}")
         header = json.loads(f.read(length))
-    return {
-        key: (
-            8 + length + entry["data_offsets"][0],
-            SavedTensor(shape=tuple(entry["shape"]), dtype=_DTYPES[entry["dtype"]]),
-        )
-        for key, entry in header.items()
-        if key != "__metadata__"
-    }
+    found: dict[str, tuple[int, SavedTensor]] = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        if entry["dtype"] not in _DTYPES:
+            raise ValueError(f"{path}: {key} has dtype {entry['dtype']}")
+        tensor = SavedTensor(shape=tuple(entry["shape"]), dtype=_DTYPES[entry["dtype"]])
+        first, end = entry["data_offsets"]
+        if (
+            end - first != math.prod(tensor.shape) * tensor.dtype.itemsize
+            or 8 + length + end > size
+        ):
+            raise ValueError(f"{path}: {key} at bytes {first}-{end} does not fit")
+        found[key] = (8 + length + first, tensor)
+    return found
