@@ -461,6 +461,22 @@ def test_deepspeed_zero_keys_trainstack_derives_are_refused() -> None:
     assert pinned.deepspeed["zero_optimization"]["offload_optimizer"] == {"pin_memory": True}
 
 
+@pytest.mark.parametrize(
+    ("key", "value"), [("zero_hpz_partition_size", 2), ("zero_quantized_weights", True)]
+)
+def test_zero3_copies_a_pretrained_read_would_not_fill_are_refused(key: str, value: object) -> None:
+    raw = {
+        "model": {"kind": "hf", "pretrained": "some/folder"},
+        "strategy": {"kind": "zero", "stage": 3},
+        "deepspeed": {"zero_optimization": {key: value}},
+    }
+    assert error_of(raw).startswith(
+        f"deepspeed.zero_optimization.{key}={value} with model.pretrained under strategy.stage=3"
+    )
+    raw["strategy"]["stage"] = 2  # stages 1-2 hold each parameter whole
+    assert config_from_dict(raw).deepspeed["zero_optimization"] == {key: value}
+
+
 # ---- every count has a ceiling -----------------------------------------------------
 
 COUNT_FLOATS = {

@@ -334,6 +334,25 @@ def validate_deepspeed(cfg: JobConfig) -> None:
             f"deepspeed.zero_optimization.{shown} is derived from the job spec; "
             f"set strategy.{key} instead"
         )
+    if cfg.model.pretrained and cfg.strategy.stage == 3:
+        validate_pretrained_zero3(zero)
+
+
+def validate_pretrained_zero3(zero: dict[str, object]) -> None:
+    """ZeRO-3 reads `model.pretrained` into each parameter's partition alone: a second
+    copy that DeepSpeed would cut from the whole parameter (hpZ's secondary partition, a
+    quantized one) would start unfilled."""
+    for key, off in (
+        ("zero_hpz_partition_size", 1),
+        ("zero_quantized_weights", False),
+        ("zero_quantized_nontrainable_weights", False),
+    ):
+        if zero.get(key, off) != off:
+            raise ConfigError(
+                f"deepspeed.zero_optimization.{key}={zero[key]} with model.pretrained under "
+                f"strategy.stage=3: each rank reads the pretrained weights into its own "
+                f"partition, not into that second copy; allowed: {off} (or leave it out)"
+            )
 
 
 def validate_compression(cfg: JobConfig) -> None:
