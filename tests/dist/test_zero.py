@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module", autouse=True)
 def torch_extensions_dir() -> Iterator[None]:
-    """DeepSpeed's C++ ops (cpu_adam, for offload) compile once into the repo's cache."""
+    """DeepSpeed's C++ ops, should a run need one, compile once into the repo's cache."""
     previous = os.environ.get("TORCH_EXTENSIONS_DIR")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
     yield
@@ -288,7 +288,6 @@ def test_ddp_checkpoint_resumes_under_zero2_on_two_workers(
     _resume_elsewhere(runs["ddp"], raw, tmp_path / "out", workers=2)
 
 
-@pytest.mark.slow  # the first run compiles DeepSpeed's CPU Adam (about two minutes)
 @pytest.mark.parametrize(
     "offload",
     [
@@ -297,9 +296,17 @@ def test_ddp_checkpoint_resumes_under_zero2_on_two_workers(
     ],
     ids=["stage2-optimizer", "stage3-optimizer-and-params"],
 )
-def test_offloaded_zero_trains(tmp_path: Path, offload: dict[str, Any]) -> None:
-    raw = spec(tmp_path, steps=10, **offload)
+def test_offloaded_zero_trains_what_one_process_trains(
+    tmp_path: Path, reference: tuple[dict[str, torch.Tensor], float], offload: dict[str, Any]
+) -> None:
+    """DeepSpeed's offload moves the fp32 master partition and Adam's moments (and under
+    stage 3 the parameters) to the host and steps there; on a CPU run with torch's AdamW
+    (DeepSpeed's CPU Adam is for runs on an accelerator), held to the one-process
+    reference as the stages are: a step that skipped the offloaded partition's update or
+    copied stale weights back lands 1e-3 or more away."""
+    raw = spec(tmp_path, **offload)
     run_processes(config_from_dict(raw), world_size=2, out_dir=tmp_path / "out")
-    losses = [loss for _, loss in sorted(logged(tmp_path / "out", "loss").items())]
-    print(f"{offload}: losses {[round(x, 3) for x in losses]}")
-    assert sum(losses[-3:]) / 3 < sum(losses[:2]) / 2 - 0.2
+    weights, sensitivity = reference
+    diff = max_difference(final_weights(raw), weights)
+    print(f"{offload}: max |offloaded zero - one process| = {diff:.3g}")
+    assert diff < sensitivity_bound(sensitivity)

@@ -122,6 +122,8 @@ class ZeROStrategy:
         every parameter whole."""
         init_deepspeed_comm(self.ctx)
         config = deepspeed_config(self.cfg)
+        if self.ctx.device.type == "cpu":  # offloaded or not, torch's AdamW steps on CPU
+            config.setdefault("zero_force_ds_cpu_optimizer", False)
         on_meta = has_meta_parameters(model)
         place(model, self.ctx.device)
         apply_compile(self.cfg, model)
@@ -143,10 +145,12 @@ class ZeROStrategy:
 
     def _build_optimizer(self, model: nn.Module, *, lr: float) -> torch.optim.Optimizer:
         optimizer = build_optimizer(model, self.cfg.optim, lr=lr, device=self.ctx.device)
-        if self.cfg.strategy.offload_optimizer == "none":
+        if self.cfg.strategy.offload_optimizer == "none" or self.ctx.device.type == "cpu":
             return optimizer
-        # Offloaded, the step runs on the host; DeepSpeed insists on its CPU Adam (a
-        # C++ op compiled on first use into $TORCH_EXTENSIONS_DIR).
+        # Offloaded from an accelerator, the step runs on the host: DeepSpeed's CPU Adam
+        # (a C++ op compiled on first use into $TORCH_EXTENSIONS_DIR, about two minutes),
+        # several times faster there than torch's. A run on CPU keeps torch's AdamW
+        # (`zero_force_ds_cpu_optimizer`: see `setup`): its step ran on the host already.
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         assert self.cfg.optim.kind == "adamw", "config validation admits only adamw"
