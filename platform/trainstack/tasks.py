@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
 from trainstack.config import ConfigError, JobConfig
 from trainstack.data.sharding import IGNORED_TARGET, Batch
@@ -86,7 +87,13 @@ class Task:
         task's loss plus the outputs' `.aux_loss`, if they carry one."""
         loss = self.task_loss(outputs, targets, inputs=inputs)
         aux = getattr(outputs, "aux_loss", None)
-        return loss + aux.to(loss.dtype) if isinstance(aux, torch.Tensor) else loss
+        if not isinstance(aux, torch.Tensor):
+            return loss
+        if isinstance(loss, DTensor) and not isinstance(aux, DTensor):
+            # a cross-entropy on vocabulary-sharded logits (loss_parallel) is a DTensor; a
+            # balance loss every tensor-parallel rank computed whole joins it as one
+            aux = DTensor.from_local(aux, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim)
+        return loss + aux.to(loss.dtype)
 
     def task_loss(
         self, outputs: Any, targets: torch.Tensor, *, inputs: torch.Tensor | None = None

@@ -12,10 +12,13 @@ cut by the family's own `base_model_pp_plan` = one process for qwen2, olmo2 and 
 mixture of experts (its balance loss off: a pipeline's stages do not gather it); tensor
 parallelism over 2 ranks by the family's own `base_model_tp_plan` = one process for
 qwen2 (column/row), qwen3 (its per-head q/k norms replicated, each one's weight gradient
-summed over the ranks; also FSDP 2 × tensor parallel 2), olmo2 and phi3 (fused
-projections gathered, then split). The qwen2 runs under tensor parallelism and the
-pipeline export (`trainstack export --hf-dir`) to folders transformers loads with the
-trained logits."""
+summed over the ranks; also FSDP 2 × tensor parallel 2), olmo2, phi3 (fused
+projections gathered, then split) and mixtral (each expert split by its intermediate
+size, its packed gate and up projections sliced half by half, with its balance loss;
+also FSDP 2 × tensor parallel 2: the full weights compared, the packed gate_up_proj
+among them, come whole from the run's sharded checkpoint). The qwen2 and mixtral runs
+under tensor parallelism and qwen2's pipeline export (`trainstack export --hf-dir`) to
+folders transformers loads with the trained logits."""
 
 from __future__ import annotations
 
@@ -165,14 +168,25 @@ def test_a_pipeline_cut_by_the_familys_plan_matches_one_process(
 
 @pytest.mark.parametrize(
     ("family", "workers"),
-    [("qwen2", 2), ("qwen3", 2), ("qwen3", 4), ("olmo2", 2), ("phi3", 2)],
+    [
+        ("qwen2", 2),
+        ("qwen3", 2),
+        ("qwen3", 4),
+        ("olmo2", 2),
+        ("phi3", 2),
+        ("mixtral", 2),
+        ("mixtral", 4),
+    ],
 )
 def test_tensor_parallel_by_the_familys_plan_matches_one_process(
     family: str, workers: int, tmp_path: Path
 ) -> None:
-    """Tensor parallel 2, and for qwen3 also FSDP 2 × tensor parallel 2 on 4 workers: its
-    per-head q/k norms' weight gradients, summed over the tp ranks by the optimizer's
-    DTensor ops in the first and by FSDP2's reduction in the second."""
+    """Tensor parallel 2, and for qwen3 and mixtral also FSDP 2 × tensor parallel 2 on 4
+    workers. qwen3: its per-head q/k norms' weight gradients, summed over the tp ranks by
+    the optimizer's DTensor ops in the first and by FSDP2's reduction in the second.
+    mixtral: its experts' outputs summed over the tp ranks in the forward pass, the
+    gradients their slices give the hidden states and the routing weights in the
+    backward (the router's then whole); its export loads into transformers."""
     raw = spec(family, tmp_path / "tp", strategy="fsdp", workers=workers)
     raw["strategy"]["tensor_parallel"] = 2
     reference = reference_of(raw, tmp_path / "one-out")
@@ -180,7 +194,7 @@ def test_tensor_parallel_by_the_familys_plan_matches_one_process(
     diff = max_difference(split, reference)
     print(f"{family} fsdp {workers // 2} x tp 2 vs one process: {diff:.3g}")
     assert diff < FP64_BOUND
-    if family == "qwen2":
+    if (family, workers) in (("qwen2", 2), ("mixtral", 2)):
         assert_exported_logits(raw, split, tmp_path / "export")
 
 
@@ -219,12 +233,18 @@ def assert_exported_logits(
     assert (
         main(["export", str(final), "--out", str(out / "m.pt"), "--hf-dir", str(out / "hf")]) == 0
     )
-    loaded = AutoModelForCausalLM.from_pretrained(out / "hf").eval()
+    eager = {k: v for k, v in raw["model"]["hf"].items() if k == "experts_implementation"}
+    loaded = AutoModelForCausalLM.from_pretrained(out / "hf", **eager).eval()  # float64 experts
     model = build_model(cfg.model, vocab_size=16, seed=0).to(torch.float64).eval()
-    initial = model(x := torch.randint(16, (2, 16)))
+
+    def logits(x: torch.Tensor) -> torch.Tensor:
+        outputs = model(x)
+        return getattr(outputs, "logits", outputs)  # beside a balance loss, where there is one
+
+    initial = logits(x := torch.randint(16, (2, 16)))
     model.load_state_dict(trained)
     with torch.no_grad():
-        ours, theirs = model(x), loaded.to(torch.float64)(input_ids=x).logits
+        ours, theirs = logits(x), loaded.to(torch.float64)(input_ids=x).logits
     print(f"exported logits vs trained: {float((theirs - ours).abs().max()):.3g}")
     assert torch.allclose(theirs, ours, atol=1e-5, rtol=0)  # the folder holds fp32 weights
     assert not torch.allclose(theirs, initial, atol=1e-3, rtol=0)

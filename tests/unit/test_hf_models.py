@@ -508,13 +508,19 @@ def test_a_family_whose_plan_does_not_compute_its_forward_is_refused_for_a_pipel
 @pytest.mark.parametrize(
     ("family", "hf", "degree", "words"),
     [
-        (  # its per-head q/k norms apply; its experts split inside do not
+        ("granite_swa", {}, 2, "splits layers.*.self_attn as local_params, which trainstack"),
+        (  # its experts split by the intermediate size, which the degree must divide
             "qwen3_moe",
-            {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+            {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 33},
             2,
-            "splits layers.*.mlp.experts.gate_up_proj as packed_colwise, which trainstack",
+            "tensor_parallel=2 does not divide qwen3_moe's mlp.experts intermediate size = 33",
         ),
-        ("mixtral", {"num_local_experts": 4}, 2, "as packed_colwise, which trainstack does not"),
+        (
+            "mixtral",
+            {"num_local_experts": 4, "intermediate_size": 63},
+            2,
+            "does not divide mixtral's mlp.experts intermediate size = 63",
+        ),
         ("qwen3", {}, 4, "tensor_parallel=4 does not divide qwen3's num_key_value_heads = 2"),
         ("qwen2", {}, 3, "tensor_parallel=3 does not divide qwen2's vocab_size = 16"),
         (
@@ -536,3 +542,32 @@ def test_a_tensor_parallel_plan_trainstack_cannot_apply_is_refused_in_one_line(
     assert words in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
     for applies in ("olmo2", "qwen3"):  # plans that apply (per-head norms too), sizes that divide
         check_tensor_parallel(plan_model(applies), 2)
+    for family, experts in MIXTURES.items():  # stacked experts split inside
+        check_tensor_parallel(plan_model(family, **experts), 2)
+
+
+MIXTURES: dict[str, dict[str, Any]] = {
+    "mixtral": {"num_local_experts": 4},
+    "qwen2_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+    },
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+}
+"""Tiny mixtures of experts whose plans split their stacked experts (`moe_tp_experts`)."""
+
+
+def test_stacked_experts_split_otherwise_are_refused_in_one_line() -> None:
+    """A `moe_tp_experts` module whose plan splits its gate_up_proj column-wise (some
+    families' separate layout) is not what `ExpertsParallel` does: refused, not misapplied."""
+    from trainstack.strategies.tensor_parallel import check_tensor_parallel
+
+    model = plan_model("mixtral", num_local_experts=4)
+    plan = dict(model.config.base_model_tp_plan)
+    model.config.base_model_tp_plan = {**plan, "layers.*.mlp.experts.gate_up_proj": "colwise"}
+    with pytest.raises(ConfigError) as refused:
+        check_tensor_parallel(model, 2)
+    words = "layers.*.mlp.experts as moe_tp_experts with mlp.experts.gate_up_proj: colwise"
+    assert words in str(refused.value) and "\n" not in str(refused.value), str(refused.value)

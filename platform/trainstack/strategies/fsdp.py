@@ -211,8 +211,11 @@ class FSDPStrategy:
 
         def forward(x: torch.Tensor) -> Any:
             with self._compute_context():
-                logits = self.model(x)
-            return logits.full_tensor() if isinstance(logits, DTensor) else logits
+                outputs = self.model(x)
+            # vocabulary-sharded logits (loss_parallel), alone or beside a balance loss
+            # (which held-out scoring leaves out): gathered whole
+            logits = getattr(outputs, "logits", outputs)
+            return logits.full_tensor() if isinstance(logits, DTensor) else outputs
 
         sums = evaluate(self.task, forward, batches, device=self.ctx.device)
         restore()

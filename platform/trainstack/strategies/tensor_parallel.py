@@ -23,8 +23,13 @@ head by its `_tp_plan` (column-parallel over the vocabulary), the token embeddin
 row-parallel, and every other parameter (the norms over the whole width) replicated:
 its rotary embeddings are computed from the sequence a layer sees, so there is no
 sequence parallelism and the residual stream stays whole on every rank (one all-reduce
-after each row-parallel layer). A plan style not listed here (experts split inside,
-`packed_colwise`, `moe_tp_experts`: mixtral, qwen3_moe) is refused in one line naming it.
+after each row-parallel layer). A mixture of experts' stacked experts (`moe_tp_experts`,
+its `gate_up_proj` `packed_colwise` and its `down_proj` `rowwise`: mixtral, qwen2_moe,
+qwen3_moe) are split inside, each rank keeping every expert's slice of the intermediate
+size (`ExpertsParallel`); the router stays whole. Whole again (a checkpoint's weights,
+`full_tensor()`), `gate_up_proj` is transformers' packed layout; each rank's part of it
+is two blocks of that tensor, which checkpoints write and read as such
+(checkpoint/blocks.py). A plan style not listed here is refused in one line naming it.
 
 The spec's checks (`config.layout`) refuse other models and GPT sizes the degree does
 not divide before anything starts; pre-flight checks a Hugging Face model's plan and
@@ -33,12 +38,21 @@ sizes on the built model (`check_tensor_parallel`).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import (
+    DTensor,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -47,6 +61,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from trainstack.config import ConfigError, JobConfig
 from trainstack.models.gpt import GPT, Block, GPTEmbedding, GPTHead
@@ -130,14 +145,108 @@ class HeadShardedNorm(ParallelStyle):
         return distribute_module(module, device_mesh, input_fn=to_head_shards, output_fn=_local)
 
 
+class ExpertsParallel(ParallelStyle):
+    """A mixture of experts' stacked experts (transformers' `...Experts` module:
+    `gate_up_proj` [E, 2·I, H], its gate and up halves packed along dim 1, and
+    `down_proj` [E, H, I]) split over the intermediate size I: each rank keeps, for
+    every expert, its slice of the gate half and of the up half (`_StridedShard(1,
+    split_factor=2)`: locally [E, 2·I/tp, H], gate slice then up slice, as the experts'
+    forward chunks it; whole, transformers' packed layout) and of `down_proj`
+    (`Shard(2)`: [E, H, I/tp]). The experts' own forward runs on these local slices:
+    every rank routes every token as one process does (the router is replicated) and
+    computes its share of each expert's output, which is a sum over the ranks, taken in
+    the forward pass (its gradient is whole on every rank). The gradients each rank's
+    slices give the hidden states and the routing weights are likewise shares of a sum,
+    so those two inputs pass through an all-reduce of their gradient: the router and
+    the layers before get a whole one."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, placement in EXPERTS_PLACEMENTS.items():
+            param = module.get_parameter(name)
+            shards = distribute_tensor(
+                param, device_mesh, [placement], src_data_rank=self.src_data_rank
+            )
+            module.register_parameter(name, nn.Parameter(shards, param.requires_grad))
+        group = device_mesh.get_group()
+        forward = module.forward
+
+        def on_local_slices(
+            hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+        ) -> torch.Tensor:
+            hidden_states = _SumGradient.apply(hidden_states, group)
+            # routing weights come in float32 (the router's softmax), and the experts
+            # multiply them into wider activations: their gradient's shares are summed at
+            # that width, as one process sums them, and rounded to float32 once after
+            wider = torch.promote_types(top_k_weights.dtype, hidden_states.dtype)
+            top_k_weights = _SumGradient.apply(top_k_weights.to(wider), group)
+            with _local_parameters(module):
+                share = forward(hidden_states, top_k_index, top_k_weights)
+            return cast(torch.Tensor, _SumOutput.apply(share, group))
+
+        module.forward = on_local_slices
+        return module
+
+
+EXPERTS_PLACEMENTS = {"gate_up_proj": _StridedShard(1, split_factor=2), "down_proj": Shard(2)}
+"""How `ExpertsParallel` places the stacked experts' parameters over `tp`."""
+EXPERTS_PARAMETER_STYLES = {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
+"""What a `moe_tp_experts` plan says of the experts' two parameters: the split above."""
+
+
+class _SumGradient(torch.autograd.Function):
+    """Identity forward; backward, the gradient summed over `group` (each rank's is its
+    share of the sum)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _SumOutput(torch.autograd.Function):
+    """Forward, the ranks' shares summed over `group`; backward, identity (the sum's
+    gradient is every share's)."""
+
+    @staticmethod
+    def forward(ctx: Any, share: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        total = share.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+@contextlib.contextmanager
+def _local_parameters(module: nn.Module) -> Iterator[None]:
+    """Inside, `module`'s DTensor parameters read as their local parts (through
+    `to_local`, so their gradients reach the DTensors)."""
+    held = {n: p for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
+    for name, param in held.items():
+        module._parameters[name] = param.to_local()  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        module._parameters.update(held)
+
+
 HF_STYLES: dict[str, Any] = {
     "colwise": ColwiseParallel,
     "rowwise": RowwiseParallel,
     "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
     "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
     "replicated_with_grad_allreduce": HeadShardedNorm,
+    "moe_tp_experts": ExpertsParallel,
 }
-"""The `base_model_tp_plan` styles trainstack applies, as torch's parallel styles."""
+"""The `base_model_tp_plan` styles trainstack applies to a module, as parallel styles
+(and `packed_colwise`, on the parameter a `moe_tp_experts` module splits itself)."""
 SPLITS = {
     "colwise": "out_features",
     "colwise_gather_output": "out_features",
@@ -148,8 +257,10 @@ SPLITS = {
 
 
 def hf_layer_plan(model: HFCausalLM) -> dict[str, str]:
-    """The family's `base_model_tp_plan` for one decoder layer (`layers.*.` dropped);
-    ConfigError for a family without one or a style trainstack does not apply yet."""
+    """The family's `base_model_tp_plan` for one decoder layer (`layers.*.` dropped), a
+    module's name to its style: a `moe_tp_experts` module's entries for its two
+    parameters are folded into it (`ExpertsParallel` splits them as they say). ConfigError
+    for a family without one or a style trainstack does not apply yet."""
     plan = getattr(model.config, "base_model_tp_plan", None) or {}
     if not plan:
         raise ConfigError(
@@ -158,19 +269,42 @@ def hf_layer_plan(model: HFCausalLM) -> dict[str, str]:
         )
     layer: dict[str, str] = {}
     for pattern, style in plan.items():
-        if style not in HF_STYLES:
-            raise ConfigError(
-                f"model.hf.model_type={model.family}: its base_model_tp_plan splits {pattern} "
-                f"as {style}, which trainstack does not apply yet (it does: "
-                f"{', '.join(HF_STYLES)}); use strategy.tensor_parallel=1"
-            )
         if not pattern.startswith("layers.*."):
             raise ConfigError(
                 f"model.hf.model_type={model.family}: its base_model_tp_plan names {pattern}, "
                 "outside the decoder layers; use strategy.tensor_parallel=1"
             )
         layer[pattern.removeprefix("layers.*.")] = style
-    return layer
+    folded = _experts_parameters(model.family, layer)
+    for name, style in layer.items():
+        if name not in folded and style not in HF_STYLES:
+            raise ConfigError(
+                f"model.hf.model_type={model.family}: its base_model_tp_plan splits "
+                f"layers.*.{name} as {style}, which trainstack does not apply yet (it does: "
+                f"{', '.join(HF_STYLES)} with its gate_up_proj packed_colwise and its "
+                "down_proj rowwise); use strategy.tensor_parallel=1"
+            )
+    return {name: style for name, style in layer.items() if name not in folded}
+
+
+def _experts_parameters(family: str, layer: dict[str, str]) -> set[str]:
+    """The entries of `layer` that name a `moe_tp_experts` module's parameters;
+    ConfigError where they split them otherwise than `ExpertsParallel` does."""
+    folded: set[str] = set()
+    for module, style in layer.items():
+        if style != "moe_tp_experts":
+            continue
+        entries = {f"{module}.{p}": s for p, s in EXPERTS_PARAMETER_STYLES.items()}
+        if any(layer.get(name) != s for name, s in entries.items()):
+            found = ", ".join(f"{name}: {layer.get(name)}" for name in entries)
+            wanted = ", ".join(f"{name}: {s}" for name, s in entries.items())
+            raise ConfigError(
+                f"model.hf.model_type={family}: its base_model_tp_plan splits the experts "
+                f"layers.*.{module} as moe_tp_experts with {found}; trainstack applies "
+                f"moe_tp_experts with {wanted} only; use strategy.tensor_parallel=1"
+            )
+        folded |= set(entries)
+    return folded
 
 
 def check_tensor_parallel(model: nn.Module, degree: int) -> None:
@@ -180,15 +314,18 @@ def check_tensor_parallel(model: nn.Module, degree: int) -> None:
     if degree == 1 or not isinstance(model, HFCausalLM):
         return
     plan = hf_layer_plan(model)
-    first = cast(nn.ModuleList, model.body.get_submodule("layers"))[0]
     sizes = {"vocab_size": model.config.vocab_size}
     if any(style == "colwise" and name.startswith("self_attn.") for name, style in plan.items()):
         for key in ("num_attention_heads", "num_key_value_heads"):
             if heads := getattr(model.config, key, None):
                 sizes[key] = heads
-    for name, style in plan.items():
-        if style in SPLITS:
-            sizes[f"{name}.{SPLITS[style]}"] = getattr(first.get_submodule(name), SPLITS[style])
+    for layer in cast(nn.ModuleList, model.body.get_submodule("layers")):
+        for name, style in _present(layer, plan).items():
+            module = layer.get_submodule(name)
+            if style in SPLITS:
+                sizes[f"{name}.{SPLITS[style]}"] = getattr(module, SPLITS[style])
+            elif style == "moe_tp_experts":  # down_proj [E, H, I]
+                sizes[f"{name} intermediate size"] = module.get_parameter("down_proj").shape[-1]
     for what, value in sizes.items():
         if value % degree:
             raise ConfigError(
@@ -197,8 +334,15 @@ def check_tensor_parallel(model: nn.Module, degree: int) -> None:
             )
 
 
+def _present(layer: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """The entries of `plan` naming a module `layer` has (a family's plan covers its
+    dense and its mixture-of-experts layers: qwen2_moe and qwen3_moe may have both)."""
+    names = {name for name, _ in layer.named_modules()}
+    return {name: style for name, style in plan.items() if name in names}
+
+
 def _parallelize_hf(model: HFCausalLM, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:
-    plan = {name: HF_STYLES[style]() for name, style in hf_layer_plan(model).items()}
+    styles = hf_layer_plan(model)
     body = model.body
     parallelize_module(
         body,
@@ -206,6 +350,7 @@ def _parallelize_hf(model: HFCausalLM, tp_mesh: DeviceMesh, *, loss_parallel: bo
         {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())},
     )
     for layer in cast(nn.ModuleList, body.get_submodule("layers")):
+        plan = {name: HF_STYLES[style]() for name, style in _present(layer, styles).items()}
         parallelize_module(layer, tp_mesh, plan)
     parallelize_module(model, tp_mesh, {"lm_head": _vocabulary_head(loss_parallel, Replicate())})
     if model.config.tie_word_embeddings:
@@ -217,16 +362,19 @@ def _parallelize_hf(model: HFCausalLM, tp_mesh: DeviceMesh, *, loss_parallel: bo
 
 
 def _replicate(module: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """`module`'s parameters as replicated DTensors over `tp_mesh`, taking and returning
-    plain tensors (every rank holds the whole activation)."""
+    """`module`'s parameters as replicated DTensors over `tp_mesh`, its forward run on
+    their local copies: every rank holds the whole activation, so each computes the
+    whole gradient, the same on every rank. Whatever the forward returns is plain where
+    it is made (a router's logits, which transformers records inside its forward for
+    the balance loss, too)."""
+    distribute_module(module, tp_mesh)
+    forward = module.forward
 
-    def to_replicated(_: nn.Module, inputs: Any, mesh: DeviceMesh) -> Any:
-        return tuple(
-            DTensor.from_local(x, mesh, [Replicate()]) if isinstance(x, torch.Tensor) else x
-            for x in inputs
-        )
+    def on_local_parameters(*args: Any, **kwargs: Any) -> Any:
+        with _local_parameters(module):
+            return forward(*args, **kwargs)
 
-    distribute_module(module, tp_mesh, input_fn=to_replicated, output_fn=_local)
+    module.forward = on_local_parameters
 
 
 def _local(_: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
