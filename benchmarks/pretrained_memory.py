@@ -1,6 +1,6 @@
 """Peak host memory per rank when a pretrained model loads: the whole model on every rank
 (then sharded), against each rank reading its own part into a model built on the meta
-device (what fsdp and the torch pipelines do).
+device (what fsdp, the torch pipelines and zero 3 do).
 
 A qwen2 of about 146M parameters (0.58 GB in fp32; hidden 1024, 10 layers, vocabulary
 32,000, tied head) is created here with `save_pretrained` (random weights, nothing
@@ -12,7 +12,7 @@ the parameter bytes it holds after. "whole" forces the full per-rank load
 (`from_pretrained`, as every layout did before and ddp still does) under the same
 strategy, for comparison.
 
-    python benchmarks/pretrained_memory.py              # fsdp and a 2-stage pipeline, ~2 min
+    python benchmarks/pretrained_memory.py              # fsdp, a 2-stage pipeline, zero 3, ~4 min
     python benchmarks/pretrained_memory.py --layers 4   # a smaller model, quicker
 """
 
@@ -42,7 +42,12 @@ ROWS: list[tuple[str, dict[str, Any], str]] = [
     ("fsdp", {"kind": "fsdp"}, "whole"),
     ("fsdp", {"kind": "fsdp"}, "parts"),
     ("pipeline 2 stages", {"kind": "pipeline", "stages": 2, "microbatches": 2}, "parts"),
+    ("zero 3", {"kind": "zero", "stage": 3}, "whole"),
+    ("zero 3", {"kind": "zero", "stage": 3}, "parts"),
 ]
+"""Under zero 3 a rank's set-up also allocates what DeepSpeed's engine keeps, 4/N of the
+model: its partition of the weights, a defragmented copy of it while the engine is
+built, the fp32 master partition and the gradient partition."""
 
 
 def save_model(folder: Path, *, layers: int) -> int:
@@ -78,6 +83,9 @@ def _worker(rank: int, raw: dict[str, Any], mode: str, init_method: str, out: st
         # the family's modeling code imported before the baseline (about 90 MB of it)
         import transformers.models.qwen2.modeling_qwen2  # noqa: F401
 
+        if raw["strategy"]["kind"] == "zero":
+            import deepspeed  # noqa: F401 - imported before the baseline too
+
         cfg = config_from_dict(raw)
         ctx = WorkerContext(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"))
         strategy = build_strategy(cfg, ctx)
@@ -87,7 +95,7 @@ def _worker(rank: int, raw: dict[str, Any], mode: str, init_method: str, out: st
         else:
             model = build_job_model(cfg, strategy)
         set_up_strategy(cfg, strategy, model)
-        held = {id(p): local_part(p) for p in strategy.unwrapped_model().parameters()}
+        held = {id(p): _held(p) for p in strategy.unwrapped_model().parameters()}
         result = {
             "rss_before_kb": before,
             "peak_kb": memory_kb("VmHWM"),
@@ -96,6 +104,12 @@ def _worker(rank: int, raw: dict[str, Any], mode: str, init_method: str, out: st
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+
+
+def _held(p: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, a ZeRO-3 parameter's partition (`ds_tensor`), else `p`."""
+    partition = getattr(p, "ds_tensor", None)
+    return partition if partition is not None else local_part(p)
 
 
 def measure(folder: Path, strategy: dict[str, Any], mode: str, work: Path) -> list[dict[str, Any]]:
@@ -109,7 +123,7 @@ def measure(folder: Path, strategy: dict[str, Any], mode: str, work: Path) -> li
         "scaling": {"num_workers": 2},
         "checkpoint": {"storage_path": str(work / "runs")},
     }
-    out = work / f"{strategy['kind']}-{mode}"
+    out = work / f"{strategy['kind']}{strategy.get('stage', '')}-{mode}"
     out.mkdir(parents=True)
     args = (raw, mode, rendezvous(out), str(out))
     mp.start_processes(_worker, args=args, nprocs=2, start_method="spawn")

@@ -33,7 +33,7 @@ def partition_on_meta(model: nn.Module, *, config: Mapping[str, Any]) -> None:
     """Make every parameter of `model` (each on the meta device) a ZeRO-3 parameter that
     holds storage for this rank's partition alone, uninitialised, in the dtype and on the
     device DeepSpeed's `config` trains it in (bf16 under `bf16.enabled`; host memory
-    under `offload_param`). A collective only in that DeepSpeed's config reads the world."""
+    under `offload_param`). Nothing is sent between ranks."""
     import deepspeed
     from deepspeed.runtime.zero.partition_parameters import PartitionedParamStatus
 
