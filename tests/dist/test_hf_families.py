@@ -15,8 +15,9 @@ qwen2 (column/row), qwen3 (its per-head q/k norms replicated, each one's weight 
 summed over the ranks; also FSDP 2 × tensor parallel 2), olmo2, phi3 (fused
 projections gathered, then split) and mixtral (each expert split by its intermediate
 size, its packed gate and up projections sliced half by half, with its balance loss;
-also FSDP 2 × tensor parallel 2: the full weights compared, the packed gate_up_proj
-among them, come whole from the run's sharded checkpoint). The qwen2 and mixtral runs
+also FSDP 2 × tensor parallel 2, and the tensor parallel 2 checkpoint resumed there:
+the full weights compared, the packed gate_up_proj among them, come whole from the
+run's sharded checkpoint). The qwen2 and mixtral runs
 under tensor parallelism and qwen2's pipeline export (`trainstack export --hf-dir`) to
 folders transformers loads with the trained logits."""
 
@@ -196,6 +197,33 @@ def test_tensor_parallel_by_the_familys_plan_matches_one_process(
     assert diff < FP64_BOUND
     if (family, workers) in (("qwen2", 2), ("mixtral", 2)):
         assert_exported_logits(raw, split, tmp_path / "export")
+
+
+def test_mixtrals_tensor_parallel_checkpoint_resumes_under_fsdp_2_x_tensor_parallel_2(
+    tmp_path: Path,
+) -> None:
+    """Tensor parallel 2's checkpoint at step 3 (each rank's two blocks of every packed
+    gate_up_proj and of its Adam moments, checkpoint/blocks.py) read by FSDP 2 × tensor
+    parallel 2 on 4 workers, which finishes the run as one process does: Adam's moments
+    restarted, or blocks read to the wrong rows, land 1e-2 and more away."""
+    from trainstack import checkpoint as ckpt
+
+    raw = spec("mixtral", tmp_path / "tp", strategy="fsdp", workers=2)
+    raw["strategy"]["tensor_parallel"] = 2
+    raw["checkpoint"]["every_steps"] = 3
+    reference = reference_of(raw, tmp_path / "one-out")
+    run_processes(config_from_dict(raw), world_size=2, out_dir=tmp_path / "tp-out")
+    step_3 = ckpt.run_dir_for(config_from_dict(raw)) / ckpt.dir_name(3)
+    wider = spec("mixtral", tmp_path / "wider", strategy="fsdp", workers=4)
+    wider["strategy"]["tensor_parallel"] = 2
+    summary = run_processes(
+        config_from_dict(wider), world_size=4, out_dir=tmp_path / "wider-out", resume_from=step_3
+    )
+    assert summary["resumed_from_step"] == 3
+    resumed = torch.load(tmp_path / "wider-out" / "model.pt", weights_only=True)
+    diff = max_difference(resumed, reference)
+    print(f"mixtral tp 2 -> fsdp 2 x tp 2 at step 3 vs one process: {diff:.3g}")
+    assert diff < FP64_BOUND
 
 
 def test_gemma3s_per_head_norms_under_tensor_parallel_land_within_its_float32_noise(
