@@ -10,7 +10,6 @@ brings the worker nodes it needs (`SimulatedCluster.workers`) and leaves no run 
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,8 +17,6 @@ from typing import Any
 import ray
 from ray.cluster_utils import Cluster
 from ray.util import state
-
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 
 WORKER_NODE = "trainstack_worker_node"
 """The custom resource only worker nodes advertise (one unit per CPU)."""

@@ -31,8 +31,6 @@ from user_shell import BIN, ROOT, run, user_env
 
 pytestmark = pytest.mark.slow
 
-FAST_REPORTS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25"}
-
 
 def tiny_base(tmp_path: Path, **sections: dict[str, Any]) -> dict[str, Any]:
     """A job spec whose trials take seconds: one worker, a tiny GPT, order-1 data."""
@@ -89,7 +87,7 @@ def interrupt_after_asha_stop(sweep_file: Path) -> str:
     proc = subprocess.Popen(
         [str(BIN / "trainstack"), "sweep", str(sweep_file)],
         cwd=ROOT,
-        env=user_env(**FAST_REPORTS),
+        env=user_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -132,7 +130,7 @@ def test_interrupted_sweep_resumes_and_ends_with_asha_stops_mlflow_runs_and_best
     checkpoints = {p: p.stat().st_mtime for r in ended for p in r.glob("checkpoint_*")}
     assert checkpoints
 
-    resumed = run([str(BIN / "trainstack"), "sweep", str(grid_sweep), "--resume"], **FAST_REPORTS)
+    resumed = run([str(BIN / "trainstack"), "sweep", str(grid_sweep), "--resume"])
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     # The two trials that ended did not run again: their checkpoints are untouched.
     assert "[3/3" in resumed.stdout
@@ -185,7 +183,6 @@ def local_ray() -> Iterator[None]:
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,
-        runtime_env={"env_vars": FAST_REPORTS},
     )
     yield
     ray.shutdown()

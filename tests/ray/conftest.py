@@ -7,9 +7,6 @@ from collections.abc import Iterator
 import pytest
 import ray
 
-# The controller collects reports on this period; the default 2 s slows every test.
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
-
 
 @pytest.fixture(scope="session")
 def state_api_of_no_other_instance() -> Iterator[None]:

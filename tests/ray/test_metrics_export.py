@@ -11,7 +11,6 @@ port and the child writes it to STORAGE/metrics_port) and scrapes
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -171,14 +170,12 @@ def test_ddp_and_ps_jobs_export_live_metrics_to_prometheus(
 ) -> None:
     storage = str(tmp_path / "runs")
     Path(storage).mkdir()
-    env = {**os.environ, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25"}
     with (tmp_path / "child.log").open("w") as log:
         child = subprocess.Popen(
             [sys.executable, __file__, storage],
             stdin=subprocess.PIPE,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=env,
             cwd=ROOT,
         )
     summaries_path = Path(storage) / "summaries.json"
