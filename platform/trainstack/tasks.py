@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
 
 from trainstack.config import ConfigError, JobConfig
 from trainstack.data.sharding import IGNORED_TARGET, Batch
@@ -89,6 +88,10 @@ class Task:
         aux = getattr(outputs, "aux_loss", None)
         if not isinstance(aux, torch.Tensor):
             return loss
+        # Here, not at the top: DTensor costs every process that imports trainstack most
+        # of a second, and only a sharded model's loss can be one.
+        from torch.distributed.tensor import DTensor, Replicate
+
         if isinstance(loss, DTensor) and not isinstance(aux, DTensor):
             # a cross-entropy on vocabulary-sharded logits (loss_parallel) is a DTensor; a
             # balance loss every tensor-parallel rank computed whole joins it as one

@@ -33,3 +33,18 @@ def test_the_command_line_starts_without_torch_or_ray() -> None:
     probe = "import sys, trainstack.cli; print(sorted({'torch', 'ray'} & set(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_a_worker_imports_no_dtensor_or_distributed_checkpoint_until_a_layout_needs_them() -> None:
+    """Every Ray worker imports the training loop; DTensor and torch.distributed.checkpoint
+    would add most of a second each to every one of them (and to each driver), though
+    only sharded layouts use them, and import them where they do."""
+    import subprocess
+
+    heavy = ("torch.distributed.tensor", "torch.distributed.checkpoint")
+    probe = (
+        "import sys, trainstack.runtime.launcher, trainstack.runtime.loop; "
+        f"print(sorted(set({heavy!r}) & set(sys.modules)))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout

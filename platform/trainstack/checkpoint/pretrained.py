@@ -29,7 +29,6 @@ from typing import Any, BinaryIO
 
 import torch
 
-from trainstack.checkpoint.blocks import as_blocks
 from trainstack.checkpoint.sharded import single_process_is_intended
 
 SINGLE_FILE = "model.safetensors"
@@ -94,6 +93,8 @@ def read_parts(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
     dtype): a DTensor gets its local part only. A collective when distributed: every
     rank calls it, each with its own tensors (a pipeline's ranks hold different keys)."""
     import torch.distributed.checkpoint as dcp
+
+    from trainstack.checkpoint.blocks import as_blocks  # DTensor: see checkpoint.sharded
 
     with single_process_is_intended(), as_blocks(tensors):
         dcp.load(tensors, storage_reader=_slice_reader(folder))

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from trainstack.checkpoint.blocks import as_blocks
 from trainstack.storage import StorePath, open_binary
 
 if TYPE_CHECKING:
@@ -34,8 +33,9 @@ if TYPE_CHECKING:
 
     from trainstack.checkpoint import Checkpoint
 
-# torch.distributed.checkpoint is imported where it is used: it costs every process that
-# imports trainstack.checkpoint most of a second, and only sharded layouts need it.
+# torch.distributed.checkpoint, and DTensor with `checkpoint.blocks`, are imported where
+# they are used: they cost every process that imports trainstack.checkpoint most of a
+# second each, and only sharded layouts need them.
 
 METADATA = ".metadata"
 
@@ -51,6 +51,8 @@ def save_sharded(folder: Path, state: ShardedState) -> list[Path]:
     """Every rank writes its shards of `state` into `folder` (a collective when
     distributed); return the files this rank wrote."""
     import torch.distributed.checkpoint as dcp
+
+    from trainstack.checkpoint.blocks import as_blocks
 
     folder.mkdir(parents=True, exist_ok=True)
     before = set(folder.iterdir())
@@ -68,6 +70,8 @@ def load_sharded(checkpoint: Checkpoint, folder: str, state: dict[str, Any]) -> 
     """Fill `state` (this rank's layout) in place from `folder`; a collective when
     distributed, resharding whatever layout wrote it."""
     import torch.distributed.checkpoint as dcp
+
+    from trainstack.checkpoint.blocks import as_blocks
 
     with _readable(checkpoint, folder) as path, single_process_is_intended(), as_blocks(state):
         dcp.load(state, storage_reader=dcp.FileSystemReader(path))
