@@ -19,7 +19,8 @@ with its parameters on the meta device and reads only its own part of each saved
 keys are HF's). A family with pipeline layers here (`FAMILIES`: llama, gpt2) computes
 logits by applying `pipeline_layers()` in order, the code a pipeline stage runs:
 decoder layers get no attention mask, so sdpa runs causal (`is_causal`, as HF's own
-forward on unpadded input) - hence sdpa only. Every other family runs its own HF
+forward on unpadded input) - hence sdpa only; on packed rows they get the mask HF's own
+forward builds (below). Every other family runs its own HF
 forward (its masks, sliding windows, rotary embeddings and experts as transformers
 writes them) and trains under ddp, zero, fsdp (its `_no_split_modules` blocks are the
 FSDP units and what activation checkpointing recomputes) and the parameter server; its
@@ -33,8 +34,12 @@ first layer and the last. A mixture-of-experts family trains on the cross-entrop
 alone, or with `output_router_logits` also on its balance loss (see
 `HFCausalLM.forward`). Packed chat rows (`data.pack`: inputs [B, 2, T], token ids and
 position ids restarting at each conversation) reach a family's own forward, which keeps
-each conversation to itself; llama and gpt2, whose forward here counts positions 0..T-1,
-refuse them in one line.
+each conversation to itself; the pipeline layers (llama's and gpt2's forward, and every
+family's under a pipeline) do the same: the embedding hands on (hidden states, position
+ids; gpt2's adds its position embedding at them), so a pipeline stage sends the
+position ids beside its activations, and each decoder layer takes them (its rotary
+angles) with the packed-sequence mask transformers builds from them (`packed_mask`). Unpacked rows
+pass hidden states alone, as before.
 """
 
 from __future__ import annotations
@@ -66,38 +71,111 @@ from trainstack.models.on_meta import (
 
 # ---- the families' pipeline layers: each only references the HF model's modules ---------
 
+Hidden = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+"""What one pipeline layer hands the next: hidden states [B, T, C], or for packed rows
+(hidden states, position ids [B, T]), so that every decoder layer, on whichever stage,
+gets the row's positions."""
+
+MASKS = {
+    "full_attention": "create_causal_mask",
+    "sliding_attention": "create_sliding_window_causal_mask",
+}
+"""A decoder layer's attention type -> the transformers mask builder its family's own
+forward calls for it (`masking_utils`)."""
+
 
 def _positions(x: torch.Tensor) -> torch.Tensor:
     """Position ids [1, T] of a [B, T, ...] input."""
     return torch.arange(x.shape[1], device=x.device).unsqueeze(0)
 
 
+def _split_packed(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token ids and position ids of a packed row [B, 2, T] (the position ids contiguous:
+    a pipeline stage sends them on); token ids [B, T] and None."""
+    return (idx[:, 0], idx[:, 1].contiguous()) if idx.dim() == 3 else (idx, None)
+
+
+def packed_mask(
+    config: Any, hidden: torch.Tensor, positions: torch.Tensor, *, layer_type: str | None
+) -> Any:
+    """The attention mask the family's own forward builds for `positions` (transformers
+    finds the packed sequences where the ids restart and keeps each to itself), for a
+    layer of `layer_type`; ConfigError for an attention type without a mask here."""
+    name = MASKS.get(layer_type or "full_attention")
+    if name is None:
+        raise ConfigError(
+            f"data.pack=true: {config.model_type}'s {layer_type} layers have no packed-sequence "
+            f"mask in trainstack's pipeline layers; allowed: layers of types {', '.join(MASKS)}, "
+            "or data.pack=false"
+        )
+    build = getattr(importlib.import_module("transformers.masking_utils"), name)
+    return build(
+        config=config,
+        inputs_embeds=hidden,
+        attention_mask=None,
+        past_key_values=None,
+        position_ids=positions,
+    )
+
+
+class PlanEmbedding(nn.Module):
+    """The token embedding as a pipeline layer: token ids [B, T] -> hidden states; a
+    packed row [B, 2, T] -> (hidden states, its position ids)."""
+
+    def __init__(self, *, embed: nn.Module) -> None:
+        super().__init__()
+        self.embed = embed
+
+    def forward(self, idx: torch.Tensor) -> Hidden:
+        tokens, positions = _split_packed(idx)
+        hidden = self.embed(tokens)
+        return hidden if positions is None else (hidden, positions)
+
+
 class PlanLayer(nn.Module):
-    """One decoder block as `base_model_pp_plan`'s `layers` entry names it, called as the
-    family's own forward calls it over positions 0..T-1: the body's rotary embedding
-    (for the block's attention type, where the family has several), no attention mask
-    (causal sdpa)."""
+    """One decoder block as `base_model_pp_plan`'s `layers` entry names it (or a GPT2Block),
+    called as the family's own forward calls it. Hidden states alone: positions 0..T-1
+    and no attention mask (causal sdpa). A packed row's (hidden states, position ids):
+    those positions and the mask the family's forward builds from them (`packed_mask`),
+    and the positions handed on. The body's rotary embedding (for the block's attention
+    type, where the family has several) turns the positions into the block's angles."""
 
     def __init__(
-        self, *, layer: nn.Module, rotary_emb: nn.Module | None, layer_type: str | None
+        self,
+        *,
+        layer: nn.Module,
+        rotary_emb: nn.Module | None,
+        layer_type: str | None,
+        attention_type: str | None,
+        config: Any,
     ) -> None:
         super().__init__()
         self.layer = layer
         self.rotary_emb = rotary_emb
         self.layer_type = layer_type
+        """The type the rotary embedding takes (None: it takes none)."""
+        self.attention_type = attention_type
+        """The block's entry in its config's `layer_types` (None: full attention)."""
+        self.__dict__["config"] = config  # the HF config, not a module
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        positions = _positions(hidden)
+    def forward(self, x: Hidden) -> Hidden:
+        packed = isinstance(x, tuple)
+        hidden, positions = x if isinstance(x, tuple) else (x, _positions(x))
+        mask = None
+        if packed:
+            mask = packed_mask(self.config, hidden, positions, layer_type=self.attention_type)
         kwargs: dict[str, Any] = {"position_ids": positions}
         if self.rotary_emb is not None:
             typed = (self.layer_type,) if self.layer_type is not None else ()
             kwargs["position_embeddings"] = self.rotary_emb(hidden, positions, *typed)
-        out = self.layer(hidden, attention_mask=None, **kwargs)
-        return out[0] if isinstance(out, tuple) else out
+        out = self.layer(hidden, attention_mask=mask, **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        return (out, positions) if packed else out
 
 
 class GPT2Embedding(nn.Module):
-    """Token ids [B, T] -> token + position embeddings, then embedding dropout."""
+    """Token ids [B, T] -> token + position embeddings, then embedding dropout; a packed
+    row [B, 2, T] -> (those at its position ids, the position ids)."""
 
     def __init__(self, *, wte: nn.Module, wpe: nn.Module, drop: nn.Module) -> None:
         super().__init__()
@@ -105,20 +183,26 @@ class GPT2Embedding(nn.Module):
         self.wpe = wpe
         self.drop = drop
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.wte(idx) + self.wpe(_positions(idx)))
+    def forward(self, idx: torch.Tensor) -> Hidden:
+        tokens, positions = _split_packed(idx)
+        at = _positions(tokens) if positions is None else positions
+        hidden = self.drop(self.wte(tokens) + self.wpe(at))
+        return hidden if positions is None else (hidden, positions)
 
 
 class NormHead(nn.Module):
-    """The final norm and the LM head: hidden states -> logits [B, T, V]."""
+    """The final norm and the LM head: hidden states (and a packed row's position ids,
+    dropped) -> logits [B, T, V]."""
 
     def __init__(self, *, norm: nn.Module, lm_head: nn.Module) -> None:
         super().__init__()
         self.norm = norm
         self.lm_head = lm_head
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
+    def forward(self, x: Hidden) -> torch.Tensor:
+        hidden = x[0] if isinstance(x, tuple) else x
+        logits: torch.Tensor = self.lm_head(self.norm(hidden))
+        return logits
 
 
 # ---- the supported families -------------------------------------------------------------
@@ -167,9 +251,15 @@ def plan_layers(model: HFCausalLM) -> list[nn.Module]:
     types = list(getattr(model.config, "layer_types", None) or [])
     blocks = cast(nn.ModuleList, body.get_submodule("layers"))
     return [
-        body.get_submodule("embed_tokens"),
+        PlanEmbedding(embed=body.get_submodule("embed_tokens")),
         *(
-            PlanLayer(layer=block, rotary_emb=rotary, layer_type=types[i] if typed else None)
+            PlanLayer(
+                layer=block,
+                rotary_emb=rotary,
+                layer_type=types[i] if typed else None,
+                attention_type=types[i] if types else None,
+                config=model.config,
+            )
             for i, block in enumerate(blocks)
         ),
         NormHead(norm=body.get_submodule("norm"), lm_head=hf.get_submodule("lm_head")),
@@ -205,16 +295,20 @@ def check_plan_layers(model: HFCausalLM, layers: list[nn.Module]) -> None:
         )
 
 
-def _gpt2_layers(model: nn.Module) -> list[nn.Module]:
+def _gpt2_layers(model: HFCausalLM) -> list[nn.Module]:
+    config = model.config
     body = model.get_submodule("transformer")
     embedding = GPT2Embedding(
         wte=body.get_submodule("wte"),
         wpe=body.get_submodule("wpe"),
         drop=body.get_submodule("drop"),
     )
-    blocks = cast(nn.ModuleList, body.get_submodule("h"))
+    blocks = [
+        PlanLayer(layer=block, rotary_emb=None, layer_type=None, attention_type=None, config=config)
+        for block in cast(nn.ModuleList, body.get_submodule("h"))
+    ]
     head = NormHead(norm=body.get_submodule("ln_f"), lm_head=model.get_submodule("lm_head"))
-    return [embedding, *blocks, head]  # a GPT2Block takes and returns hidden states
+    return [embedding, *blocks, head]
 
 
 FAMILIES: dict[str, HFFamily] = {
@@ -316,22 +410,13 @@ class HFCausalLM(nn.Module):
         `idx` is token ids [B, T], or packed rows [B, 2, T] (`data.pack`): token ids and
         position ids that restart at 0 at each packed sequence. The family's own forward
         gets the position ids and, seeing them restart, lets each sequence attend only to
-        itself (transformers' packed-sequence mask). The families whose forward here is
-        the pipeline layers (llama, gpt2) count positions 0..T-1 and refuse packed rows."""
-        positions = None
-        if idx.dim() == 3:
-            if self.family in FAMILIES:
-                raise ConfigError(
-                    f"data.pack=true: model.hf.model_type={self.family} runs trainstack's "
-                    "pipeline layers, which count positions 0..T-1 and would let packed "
-                    "conversations attend to each other; allowed: a family that runs its own "
-                    f"forward (not {', '.join(FAMILIES)}), or data.pack=false"
-                )
-            idx, positions = idx[:, 0], idx[:, 1]
+        itself (transformers' packed-sequence mask); the pipeline layers (llama, gpt2) hand
+        them from layer to layer and give each block that same mask."""
         if self.family not in FAMILIES:
             hf = self.hf
+            tokens, positions = _split_packed(idx)
             # no cache: with one, transformers skips the packed-sequence mask
-            out = hf(input_ids=idx, position_ids=positions, use_cache=False)
+            out = hf(input_ids=tokens, position_ids=positions, use_cache=False)
             aux = getattr(out, "aux_loss", None)
             if isinstance(aux, torch.Tensor):
                 weight = getattr(hf.config, "router_aux_loss_coef", 1.0)
@@ -496,7 +581,7 @@ def _user_keys(hf: dict[str, Any], config_class: Any, *, adapted: bool) -> dict[
         if key == "attn_implementation":
             if value != "sdpa" and (adapted or value != "eager"):
                 allowed = (
-                    "sdpa (decoder layers get no mask and rely on its causal mode)"
+                    "sdpa (decoder layers rely on its causal mode, masked on packed rows)"
                     if adapted
                     else "sdpa or eager"
                 )
