@@ -315,7 +315,10 @@ def test_packing_keeps_a_truncated_conversation_whole_in_a_row_of_its_own(tmp_pa
     [
         ({"data.kind": "markov"}, "data.pack=true packs conversations: it is for data.kind chat"),
         ({"model.kind": "gpt", "model.hf": {}}, "it is for model.kind hf; got gpt"),
-        ({"strategy.kind": "pipeline"}, "a pipeline's stages do not pass on"),
+        (
+            {"strategy.kind": "pipeline", "strategy.engine": "deepspeed"},
+            "only the torch engine passes on; got strategy.engine=deepspeed, allowed: torch",
+        ),
     ],
 )
 def test_pack_is_refused_in_one_line_where_it_cannot_work(

@@ -20,7 +20,10 @@ state is split d / r ways within a group and replicated across groups, the mesh
 
 The model is cut along its pipeline layers into p × v stages (pipeline_split.py) and
 placed by the schedule's style; torch's `PipelineStage` infers the activations' shapes
-from the first micro-batch. One step: the replica's batch goes
+from the first micro-batch. What a stage passes on is what its last layer returns: hidden
+states, or with packed chat rows (`data.pack`, a Hugging Face model) the hidden states
+and the rows' position ids, a tuple torch sends tensor by tensor (the position ids, an
+integer tensor, take no gradient back). One step: the replica's batch goes
 through the schedule as `strategy.microbatches` micro-batches, the task's loss on the
 last stage; then gradients are made whole and the optimizer steps on every rank:
 

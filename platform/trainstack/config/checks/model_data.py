@@ -134,9 +134,10 @@ def validate_fused_loss(cfg: JobConfig) -> None:
 
 
 def validate_pack(cfg: JobConfig) -> None:
-    """`data.pack` hands the model position ids beside the tokens, which only a Hugging
-    Face family's own forward takes (its llama and gpt2 are refused when the model is
-    built: their forward here is the pipeline layers, which count positions 0..T-1)."""
+    """`data.pack` hands the model position ids beside the tokens, which a Hugging Face
+    family's own forward takes, and so do its pipeline layers (llama, gpt2, and every
+    family under a pipeline: they pass them from stage to stage and give each decoder
+    layer its packed-sequence mask). DeepSpeed's pipeline engine is not given them."""
     if not cfg.data.pack:
         return
     why = None
@@ -144,11 +145,10 @@ def validate_pack(cfg: JobConfig) -> None:
         why = f"packs conversations: it is for data.kind chat; got {cfg.data.kind}"
     elif cfg.model.kind != "hf":
         why = f"gives the model position ids: it is for model.kind hf; got {cfg.model.kind}"
-    elif kind_of(cfg).ranks == "pipeline":
-        allowed = kinds_that(lambda k: k.ranks != "pipeline")
+    elif kind_of(cfg).ranks == "pipeline" and cfg.strategy.engine != "torch":
         why = (
-            "gives the model position ids, which a pipeline's stages do not pass on (they "
-            f"count 0..T-1); allowed with strategy.kind {allowed}"
+            "hands the pipeline's stages position ids, which only the torch engine passes "
+            f"on; got strategy.engine={cfg.strategy.engine}, allowed: torch"
         )
     if why:
         raise ConfigError(f"data.pack=true {why}; or set data.pack=false")
