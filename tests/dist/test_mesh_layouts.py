@@ -110,7 +110,9 @@ def spec(layout: str, storage: Path, **extra: Any) -> dict[str, Any]:
         "strategy": strategy,
         "scaling": {"num_workers": workers},
         "log": {"every_steps": 5},
-        "checkpoint": {"storage_path": str(storage), "every_steps": 1, "keep": STEPS},
+        # Saves at 5 and 10: a save is collectives and files on every rank (a sharded one
+        # costs a 4-rank run seconds in 10 steps); the resharding chain saves every step.
+        "checkpoint": {"storage_path": str(storage), "every_steps": 5, "keep": STEPS},
         **extra,
     }
 
@@ -293,7 +295,7 @@ def test_resume_after_a_killed_worker_is_bitwise_identical(
     with pytest.raises(Exception, match="exit code 17"):
         train(tmp_path / "killed", layout, faults=faults)
     resumed, summary = train(tmp_path / "killed", layout, faults=faults)
-    assert summary["resumed_from_step"] == 5  # killed in step 6, saved after every step
+    assert summary["resumed_from_step"] == 5  # killed in step 6, saved every 5 steps
     for name, weight in uninterrupted.items():
         assert torch.equal(resumed[name], weight), name
 
@@ -302,20 +304,21 @@ def test_sharded_checkpoints_reshard_across_layouts_with_their_optimizer_state(
     runs: Runs, tmp_path: Path, reference: dict[str, torch.Tensor]
 ) -> None:
     """tp2×dp2 → fsdp 4 → ddp 1 → pp2×tp2, each hop resuming the previous run's
-    checkpoint at a later step, and fsdp 4 → pp2 × fsdp 2 beside it (a sharded
+    checkpoint at a later step (5, 7, 8), and fsdp 4 → pp2 × fsdp 2 (at 6) beside it (a sharded
     checkpoint into a pipeline's sharded replicas). Adam's moments must come through
     each hop: restarted moments would move every weight by about the learning rate
     (1e-2) at once."""
-    chain = [("tp2xdp2", 0), ("fsdp4", 3), ("ddp1", 5), ("pp2xtp2", 7)]
+    chain = [("tp2xdp2", 0), ("fsdp4", 5), ("ddp1", 7), ("pp2xtp2", 8)]
     runs("tp2xdp2")
     previous = runs.root / "tp2xdp2" / "runs" / "mesh-tp2xdp2"
     hops = [(layout, start, None) for layout, start in chain[1:]]
-    hops.insert(2, ("pp2xfsdp2", 4, "fsdp4"))  # a branch off the chain's fsdp 4 run
+    hops.insert(2, ("pp2xfsdp2", 6, "fsdp4"))  # a branch off the chain's fsdp 4 run
     done: dict[str, Path] = {}
     for layout, start, source in hops:
         out = tmp_path / layout
         resume_from = (done[source] if source else previous) / ckpt.dir_name(start)
-        weights, summary = train(out, layout, resume_from=resume_from)
+        every_step = {"storage_path": str(out / "runs"), "every_steps": 1, "keep": STEPS}
+        weights, summary = train(out, layout, resume_from=resume_from, checkpoint=every_step)
         assert summary["resumed_from_step"] == start, layout
         notes = _start_notes(out)
         assert not any("re-initialised" in note for note in notes), (layout, notes)
