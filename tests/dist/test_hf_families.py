@@ -7,9 +7,10 @@ does not hold for it where a layout sums in another order: it is held to HF's ow
 in tests/unit/test_hf_models.py, and under tensor parallelism, in float32, to its
 reference's own float32 noise.)
 DDP on 2 workers = one process in float64; FSDP2 over the family's `_no_split_modules`
-blocks = one process for the dense model and the mixture of experts; a 2-stage pipeline
-cut by the family's own `base_model_pp_plan` = one process for qwen2, olmo2 and the
-mixture of experts (its balance loss off: a pipeline's stages do not gather it); tensor
+blocks = one process for two dense models (qwen2, olmo2) and the mixture of experts; a
+2-stage pipeline cut by the family's own `base_model_pp_plan` = one process for qwen2,
+olmo2 and the mixture of experts (its balance loss off: a pipeline's stages do not
+gather it); tensor
 parallelism over 2 ranks by the family's own `base_model_tp_plan` = one process for
 qwen2 (column/row), qwen3 (its per-head q/k norms replicated, each one's weight gradient
 summed over the ranks; also FSDP 2 × tensor parallel 2), olmo2, phi3 (fused
@@ -118,7 +119,7 @@ def test_ddp_on_two_workers_matches_one_process(family: str, tmp_path: Path) -> 
     assert max_difference(two, reference) < FP64_BOUND
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen2", "olmo2", "mixtral"])
 def test_fsdp_over_the_familys_blocks_matches_one_process(family: str, tmp_path: Path) -> None:
     model = build_model(config_from_dict(spec(family, tmp_path)).model, vocab_size=16, seed=0)
     blocks = repeated_blocks(model)  # the FSDP units: the decoder layers transformers names
