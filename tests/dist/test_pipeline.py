@@ -4,6 +4,8 @@ fewer activations than GPipe; checkpoints resume exactly and load into other lay
 strategies."""
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -93,19 +95,55 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tenso
     return weights(tmp / "out")
 
 
+@dataclass
+class Run:
+    raw: dict[str, Any]
+    out: Path
+    summary: dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+def pipelines(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Run]:
+    """Each pipeline layout's 10-step run, trained once for the module: the schedule
+    tests' 1F1B and ZBV runs on 2 stages are also the ones checkpointing, the kill and the
+    stage shards start from."""
+    root = tmp_path_factory.mktemp("pipelines")
+    done: dict[tuple[Any, ...], Run] = {}
+
+    def trained(schedule: str, p: int, d: int = 1, m: int = 4, checkpointing: bool = False) -> Run:
+        key = (schedule, p, d, m, checkpointing)
+        if key not in done:
+            out = root / "-".join(map(str, key))
+            raw = pipeline(
+                out / "runs", schedule=schedule, p=p, d=d, m=m, checkpointing=checkpointing
+            )
+            done[key] = Run(raw, out, train(raw, out))
+        return done[key]
+
+    return trained
+
+
 LAYOUTS = [
     (schedule, p, d, m)
     for schedule in ("gpipe", "1f1b", "interleaved", "zb_interleaved", "zbv", "dualpipev")
     for p, d, m in ((2, 1, 4), (2, 2, 4))
-] + [("gpipe", 4, 1, 4), ("1f1b", 4, 1, 4), ("interleaved", 4, 1, 4), ("zbv", 4, 1, 8)]
+] + [("1f1b", 4, 1, 4), ("zbv", 4, 1, 8)]
+"""Every schedule on 2 stages, alone and x 2 replicas; 4 ranks (middle stages, which hold
+neither the embedding nor the head) once with one stage per rank and once as a V."""
 
 
 @pytest.mark.parametrize(("schedule", "p", "d", "m"), LAYOUTS)
 def test_schedule_matches_single_process_training_after_10_steps(
-    tmp_path: Path, reference: dict[str, torch.Tensor], schedule: str, p: int, d: int, m: int
+    pipelines: Callable[..., Run],
+    reference: dict[str, torch.Tensor],
+    schedule: str,
+    p: int,
+    d: int,
+    m: int,
 ) -> None:
-    summary = train(pipeline(tmp_path / "runs", schedule=schedule, p=p, d=d, m=m), tmp_path)
-    diff = max_difference(weights(tmp_path), reference)
+    run = pipelines(schedule, p, d, m)
+    summary = run.summary
+    diff = max_difference(weights(run.out), reference)
     print(f"{schedule} p={p} d={d} m={m}: max |pipeline - one process| = {diff:.3g}")
     assert diff < FP64_BOUND
     assert summary["world_size"] == p * d
@@ -122,17 +160,15 @@ def test_schedule_matches_single_process_training_after_10_steps(
 
 
 def test_activation_checkpointing_trains_the_same_and_keeps_less(
-    tmp_path: Path, reference: dict[str, torch.Tensor]
+    pipelines: Callable[..., Run], reference: dict[str, torch.Tensor]
 ) -> None:
     peaks = {}
     for checkpointing in (False, True):
-        out = tmp_path / str(checkpointing)
-        raw = pipeline(out / "runs", schedule="1f1b", p=2, checkpointing=checkpointing)
-        summary = train(raw, out)
-        diff = max_difference(weights(out), reference)
+        run = pipelines("1f1b", 2, checkpointing=checkpointing)
+        diff = max_difference(weights(run.out), reference)
         print(f"1f1b p=2 checkpointing={checkpointing}: max |pipeline - one process| = {diff:.3g}")
         assert diff < FP64_BOUND
-        peaks[checkpointing] = summary["pipeline"]["activation_peak_bytes_per_stage"]
+        peaks[checkpointing] = run.summary["pipeline"]["activation_peak_bytes_per_stage"]
     # Checkpointed, a stage keeps each block's input instead of every intermediate.
     assert all(on < off / 4 for on, off in zip(peaks[True], peaks[False], strict=True))
 
@@ -150,21 +186,24 @@ def test_1f1b_holds_p_minus_s_micro_batches_where_gpipe_holds_all(tmp_path: Path
         assert ratio == pytest.approx(m / (p - s), rel=0.01)
 
 
-def test_killed_pipeline_resumes_bitwise_identically(tmp_path: Path) -> None:
-    raw = pipeline(tmp_path / "once" / "runs", schedule="1f1b", p=2, steps=12)
-    train(raw, tmp_path / "once")
-    killed = pipeline(tmp_path / "kill" / "runs", schedule="1f1b", p=2, steps=12, kill=8)
+def test_killed_pipeline_resumes_bitwise_identically(
+    pipelines: Callable[..., Run], tmp_path: Path
+) -> None:
+    once = weights(pipelines("1f1b", 2).out)  # 10 steps, uninterrupted
+    killed = pipeline(tmp_path / "kill" / "runs", schedule="1f1b", p=2, kill=8)
     with pytest.raises(ProcessExitedException, match="process 1 terminated with exit code 17"):
         train(killed, tmp_path / "kill")  # 17: the fault injector's exit
     summary = train(killed, tmp_path / "kill")
     assert summary["resumed_from_step"] == 5
-    once, resumed = weights(tmp_path / "once"), weights(tmp_path / "kill")
+    resumed = weights(tmp_path / "kill")
     assert all(torch.equal(once[k], resumed[k]) for k in once)
 
 
-def test_stage_shards_merge_into_weights_any_strategy_loads(tmp_path: Path) -> None:
-    raw = pipeline(tmp_path / "runs", schedule="zbv", p=2)
-    summary = train(raw, tmp_path / "pp")
+def test_stage_shards_merge_into_weights_any_strategy_loads(
+    pipelines: Callable[..., Run], tmp_path: Path
+) -> None:
+    run = pipelines("zbv", 2)  # read only: the runs below save under tmp_path
+    raw, summary = run.raw, run.summary
     final = ckpt.resolve(ckpt.run_dir_for(config_from_dict(raw)))
     stage_files = [name for name in final.manifest["files"] if name.startswith("model/")]
     assert len(stage_files) == 4 and not final.has("model.pt")
