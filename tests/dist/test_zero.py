@@ -20,7 +20,7 @@ from trainstack.strategies.zero import deepspeed_config
 
 from bounds import assert_trained, float32_sensitivity, max_difference, sensitivity_bound
 
-STEPS = 20
+STEPS = 10
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -126,14 +126,15 @@ def reference(
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_stage_matches_ddp_after_20_steps(
+def test_zero_stage_matches_ddp_after_10_steps(
     runs: dict[str, Run], reference: tuple[dict[str, torch.Tensor], float], stage: int
 ) -> None:
     """DeepSpeed trains in float32 only: each stage lands within a multiple of the one-
     process reference's own float32 sensitivity (reducing per micro-batch, stages 2 and 3
     sum in another order; Adam's normalised step turns last-bit differences into ~1e-7
-    here, 1e-5 on another CPU). A dropped optimizer partition or a gradient reduced over
-    one rank lands 1e-3 or more away."""
+    here, 1e-5 on another CPU; the bound measured 4e-5). A dropped optimizer partition or
+    a gradient reduced over one rank lands 1e-3 or more away (rank 1's gradient dropped:
+    2.7e-2 after these 10 steps)."""
     weights, sensitivity = reference
     bound = sensitivity_bound(sensitivity)
     diff = max_difference(runs[f"zero{stage}"].weights, weights)
@@ -235,11 +236,13 @@ def test_zero_checkpoint_files_load_with_weights_only(runs: dict[str, Run]) -> N
         assert weights[name].shape == value.shape and weights[name].dtype == torch.float32, name
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+# Stage 1 resumes through stage 2's code (DeepSpeed's one stage-1-and-2 optimizer, the
+# same `_load_exact` branch); stage 3 rebuilds its partitioned parameters.
+@pytest.mark.parametrize("stage", [2, 3])
 def test_zero_resume_after_a_killed_worker_is_bitwise_identical(
     runs: dict[str, Run], tmp_path: Path, stage: int
 ) -> None:
-    raw = spec(tmp_path, stage=stage, kill=13)
+    raw = spec(tmp_path, stage=stage, kill=8)
     with pytest.raises(Exception, match="exit code 17"):
         run_processes(config_from_dict(raw), world_size=2, out_dir=tmp_path / "out")
     run_processes(config_from_dict(raw), world_size=2, out_dir=tmp_path / "out")  # resumes
@@ -247,7 +250,7 @@ def test_zero_resume_after_a_killed_worker_is_bitwise_identical(
     starts = [
         r["resumed_from_step"] for r in records(tmp_path / "out") if r.get("event") == "start"
     ]
-    assert starts == [0, 10]
+    assert starts == [0, 5]
     uninterrupted = runs[f"zero{stage}"]
     resumed = logged(tmp_path / "out", "loss")
     assert sorted(resumed) == list(range(1, STEPS + 1))
@@ -258,16 +261,16 @@ def test_zero_resume_after_a_killed_worker_is_bitwise_identical(
 
 
 def _resume_elsewhere(source: Run, raw: dict, out: Path, *, workers: int) -> dict[str, Any]:
-    """Resume `raw` from `source`'s step-10 checkpoint; check it starts where `source` was."""
-    start = ckpt.run_dir_for(config_from_dict(source.raw)) / ckpt.dir_name(10)
+    """Resume `raw` from `source`'s step-5 checkpoint; check it starts where `source` was."""
+    start = ckpt.run_dir_for(config_from_dict(source.raw)) / ckpt.dir_name(5)
     summary = run_processes(
         config_from_dict(raw), world_size=workers, out_dir=out, resume_from=start
     )
-    assert summary["resumed_from_step"] == 10
-    # Step 11's loss is computed on the loaded weights, before any update: it matches
+    assert summary["resumed_from_step"] == 5
+    # Step 6's loss is computed on the loaded weights, before any update: it matches
     # the source run's only if the weights came across; its lr only if the schedule did.
-    assert logged(out, "lr")[11] == logged(source.out, "lr")[11]
-    assert abs(logged(out, "loss")[11] - logged(source.out, "loss")[11]) < 1e-5
+    assert logged(out, "lr")[6] == logged(source.out, "lr")[6]
+    assert abs(logged(out, "loss")[6] - logged(source.out, "loss")[6]) < 1e-5
     final = ckpt.verify(ckpt.run_dir_for(config_from_dict(raw)) / ckpt.dir_name(STEPS))
     assert final.samples_seen == STEPS * 16
     assert final.manifest["world"]["world_size"] == workers
