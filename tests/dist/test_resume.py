@@ -180,3 +180,33 @@ def test_resume_is_refused_when_the_data_changed_unless_allowed(tmp_path: Path) 
     allowed = config_from_dict({**raw, "data": {**raw["data"], "allow_changed": True}})
     summary = run_processes(allowed, world_size=1, out_dir=tmp_path / "out")
     assert summary["resumed_from_step"] == 10 and summary["steps"] == 20
+
+
+def _killed_rank_and_its_peer(rank: int) -> None:
+    """Rank 1 dies as an injected fault does (`os._exit(17)`), after its peer has failed
+    on the connection it reset (a consequence, raised first)."""
+    import os
+    import time
+
+    if rank == 1:
+        time.sleep(0.3)
+        os._exit(17)
+    raise RuntimeError("Read error: Connection reset by peer")
+
+
+def test_a_killed_rank_is_named_whichever_failure_the_harness_sees_first() -> None:
+    """Both processes have ended when the harness looks; it names the one that ended on
+    its own (the tests above match its "exit code 17"), not the peer that raised because
+    of it, whichever of the two torch's join finds first."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    from trainstack.runtime.gloo_processes import join
+
+    context = mp.start_processes(
+        _killed_rank_and_its_peer, nprocs=2, start_method="forkserver", join=False
+    )
+    time.sleep(2)  # both ended; torch's own join finds the peer's exception first here
+    with pytest.raises(mp.ProcessExitedException, match="process 1 terminated with exit code 17"):
+        join(context)

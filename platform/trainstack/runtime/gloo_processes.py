@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -50,7 +51,43 @@ def start_processes(worker: Callable[..., None], *, args: tuple[Any, ...], nproc
     not seconds of imports); raises if one fails. The fork server is started on first use
     and reused after; its preload is set before it starts."""
     multiprocessing.set_forkserver_preload(list(PRELOADED))
-    mp.start_processes(worker, args=args, nprocs=nprocs, start_method="forkserver")
+    context = mp.start_processes(
+        worker, args=args, nprocs=nprocs, start_method="forkserver", join=False
+    )
+    join(context)
+
+
+def join(context: mp.ProcessContext) -> None:
+    """Wait for every process of `context`; raise for one that failed: the one that ended
+    on its own, if one did."""
+    try:
+        while not context.join():
+            pass
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as failure:
+        # The failure seen first may be a consequence: a rank that died (an injected
+        # fault's exit) resets its peers' connections, and which of them the join finds
+        # first is a race. Name the rank that ended on its own, as if it had been first.
+        ended = _ended_on_its_own(context)
+        if ended is None or ended == failure.error_index:
+            raise
+        code = context.processes[ended].exitcode
+        raise mp.ProcessExitedException(
+            f"process {ended:d} terminated with exit code {code:d}",
+            error_index=ended,
+            error_pid=context.processes[ended].pid,
+            exit_code=code,
+        ) from failure
+
+
+def _ended_on_its_own(context: mp.ProcessContext) -> int | None:
+    """The first process that exited with a code of its own (`os._exit`, as an injected
+    fault does), not by raising (which leaves an error file and exits 1) nor by a signal
+    (the others, once one failed)."""
+    for index, process in enumerate(context.processes):
+        code = process.exitcode
+        if code is not None and code > 0 and not os.access(context.error_files[index], os.R_OK):
+            return index
+    return None
 
 
 def rendezvous(folder: Path) -> str:
