@@ -117,7 +117,7 @@ def test_a_part_of_a_saved_tensor_reads_as_that_slice_of_it(
     what: str, shape: tuple[int, ...], part: tuple[slice, ...], dtype: torch.dtype, tmp_path: Path
 ) -> None:
     """Read run by run from the file (float32 weights from bfloat16 files: converted)."""
-    from trainstack.checkpoint.pretrained import SavedTensor, _data_offsets, read_slice
+    from trainstack.checkpoint.pretrained import SavedTensor, read_slice, saved_tensors
 
     saved = {"before": torch.arange(5.0), "t": torch.randn(shape).to(dtype)}
     save_file(saved, tmp_path / "model.safetensors")
@@ -125,7 +125,7 @@ def test_a_part_of_a_saved_tensor_reads_as_that_slice_of_it(
     with (tmp_path / "model.safetensors").open("rb") as f:
         read_slice(
             f,
-            start=_data_offsets(tmp_path / "model.safetensors")["t"],
+            start=saved_tensors(tmp_path)["t"].start,
             saved=SavedTensor(shape=shape, dtype=dtype),
             offsets=tuple(s.start for s in part),
             into=into,

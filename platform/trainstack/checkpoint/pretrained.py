@@ -22,10 +22,10 @@ import itertools
 import json
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar, cast
 
 import torch
 
@@ -107,16 +107,27 @@ def read_runs(folder: Path, runs: Mapping[str, tuple[int, torch.Tensor]]) -> Non
     collective: each rank reads its own runs."""
     saved = saved_tensors(folder)
     assert saved is not None, "build_hf_model loads such a folder whole"
-    by_file: dict[Path, list[str]] = {}
-    for name in runs:
-        by_file.setdefault(saved[name].path, []).append(name)
-    for path, names in by_file.items():
+    for f, names in _opened_by_file(runs, lambda name: saved[name].path):
+        for name in names:
+            at = saved[name]
+            first, into = runs[name]
+            flat = SavedTensor(shape=(math.prod(at.tensor.shape),), dtype=at.tensor.dtype)
+            read_slice(f, start=at.start, saved=flat, offsets=(first,), into=into)
+
+
+T = TypeVar("T")
+
+
+def _opened_by_file(
+    items: Iterable[T], path_of: Callable[[T], Path]
+) -> Iterator[tuple[BinaryIO, list[T]]]:
+    """`items` grouped by the file each is read from, with that file open (once)."""
+    by_file: dict[Path, list[T]] = {}
+    for item in items:
+        by_file.setdefault(path_of(item), []).append(item)
+    for path, group in by_file.items():
         with open(path, "rb", buffering=0) as f:
-            for name in names:
-                at = saved[name]
-                first, into = runs[name]
-                flat = SavedTensor(shape=(math.prod(at.tensor.shape),), dtype=at.tensor.dtype)
-                read_slice(f, start=at.start, saved=flat, offsets=(first,), into=into)
+            yield f, group
 
 
 def _slice_reader(folder: Path) -> Any:
@@ -152,22 +163,16 @@ def _slice_reader(folder: Path) -> Any:
             return metadata
 
         def read_data(self, plan: Any, planner: Any) -> torch.futures.Future[None]:
-            by_file: dict[Path, list[Any]] = {}
-            for item in plan.items:
-                by_file.setdefault(self.storage_data[item.storage_index].path, []).append(item)
-            for path, items in by_file.items():
-                with open(path, "rb", buffering=0) as f:
-                    for item in items:
-                        at: SavedAt = self.storage_data[item.storage_index]
-                        target = planner.resolve_tensor(item).detach()
-                        read_slice(
-                            f,
-                            start=at.start,
-                            saved=at.tensor,
-                            offsets=tuple(item.storage_offsets),
-                            into=target,
-                        )
-                        planner.commit_tensor(item, target)
+            def where(item: Any) -> SavedAt:
+                return cast(SavedAt, self.storage_data[item.storage_index])
+
+            for f, items in _opened_by_file(plan.items, lambda item: where(item).path):
+                for item in items:
+                    target = planner.resolve_tensor(item).detach()
+                    offsets = tuple(item.storage_offsets)
+                    at = where(item)
+                    read_slice(f, start=at.start, saved=at.tensor, offsets=offsets, into=target)
+                    planner.commit_tensor(item, target)
             done: torch.futures.Future[None] = torch.futures.Future()
             done.set_result(None)
             return done
@@ -209,11 +214,6 @@ def _read_into(f: BinaryIO, view: memoryview) -> None:
         if not got:
             raise EOFError(f"{getattr(f, 'name', 'a safetensors file')} ends inside a tensor")
         view = view[got:]
-
-
-def _data_offsets(path: Path) -> dict[str, int]:
-    """Each tensor's first byte in the safetensors file at `path` (its header says)."""
-    return {key: start for key, (start, _) in _header(path).items()}
 
 
 _DTYPES = {
