@@ -112,3 +112,5 @@ def test_a_lost_node_mid_step_and_mid_checkpoint_costs_at_most_every_steps_and_n
     assert groups == [], groups
     train_actors = [a for a in actors if "Train" in a.class_name or "Queue" in a.class_name]
     assert train_actors == [], [a.class_name for a in train_actors]
+    # A run that streams no Ray Data started no dataset manager at any of its 3 starts.
+    assert state.list_actors(filters=[("class_name", "=", "DatasetManager")]) == []
