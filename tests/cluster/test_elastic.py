@@ -29,7 +29,7 @@ def spec(tmp_path: Path) -> dict[str, Any]:
         # 12 samples a step: 6 + 6 on two workers, 4 + 4 + 4 on three, 12 on one; float64,
         # so the resized run is the fixed one within FP64_BOUND on any CPU.
         "train": {
-            "steps": 60,
+            "steps": 40,
             "global_batch_size": 12,
             "micro_batch_size": 4,
             "precision": "fp64",
@@ -93,7 +93,7 @@ def test_a_group_grows_with_a_joining_node_shrinks_with_lost_ones_and_keeps_its_
     ]
     assert summary["world_size"] == 1
 
-    # The same 60 global batches on one fixed worker: the same run, up to float64 rounding.
+    # The same 40 global batches on one fixed worker: the same run, up to float64 rounding.
     ref = {**raw, "name": "fixed", "scaling": {"num_workers": 1}, "faults": {}}
     ref["tracking"] = {"backend": "none"}
     run_processes(config_from_dict(ref), world_size=1, out_dir=tmp_path / "ref")
