@@ -224,7 +224,7 @@ def build_manifest(
             "trainstack": trainstack.__version__,
             "torch": torch.__version__,
             # Ray's version from its package metadata: a gloo process that never
-            # imported Ray would spend 0.3 s importing it for this one string.
+            # imported Ray would spend 0.1 s importing it for this one string.
             "ray": importlib.metadata.version("ray"),
         },
         "created_unix": time.time(),
