@@ -164,7 +164,7 @@ def test_trainstack_submit_trains_the_demo_under_its_name_as_gloo_processes_do(
     # Thirty steps end on the demo's plateau (3.428; ln 32 = 3.466, a context-blind model
     # 3.464), where no loss bound tells a broken run from a right one; equality does: Ray's
     # worker group and gloo processes run the same math, bit for bit (as in
-    # tests/ray/test_recovery.py).
+    # tests/cluster/test_node_failure.py).
     reference_dir = tmp_path / "reference"
     spec = load_config(
         str(ROOT / "jobs/configs/demo.yaml"),
