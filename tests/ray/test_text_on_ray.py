@@ -1,17 +1,24 @@
 """`data.kind: text` with a Hugging Face `tokenizers` file trained here, end to end on a
 Ray worker group: the driver prepares the files, the workers read only the prepared
 token files, the model learns, and the summary reports bits per byte next to gzip -9
-and xz -9 on the same held-out bytes; all while its MLflow server does not answer, which
-never stops training."""
+and xz -9 on the same held-out bytes. The run is also where a worker-group run's own
+reporting is held: `strategy.kind: auto`'s choice (DDP) in the summary and MLflow,
+throughput from the steady state's steps, the start-up's parts, one progress record
+per window. (A tracking server that does not answer: `test_user_models_on_ray`.)"""
 
 from __future__ import annotations
 
+import io
+import json
 import math
-import socket
 from pathlib import Path
+
+import mlflow
+import pytest
 
 from trainstack.config import config_from_dict
 from trainstack.runtime.launcher import run_job
+from trainstack.runtime.progress import ProgressDisplay
 
 VOCAB = 300
 LINES = [
@@ -35,7 +42,7 @@ def train_tokenizer(path: Path) -> None:
     tokenizer.save(str(path))
 
 
-def test_text_with_a_bpe_tokenizer_trains_on_a_worker_group_with_tracking_down(
+def test_text_with_a_bpe_tokenizer_trains_on_the_layout_auto_picks_and_reports_it(
     ray_cluster: None, tmp_path: Path
 ) -> None:
     data = tmp_path / "code"
@@ -61,19 +68,15 @@ def test_text_with_a_bpe_tokenizer_trains_on_a_worker_group_with_tracking_down(
         },
         "train": {"steps": 60, "global_batch_size": 16, "micro_batch_size": 8},
         "optim": {"lr": 1e-2, "warmup_steps": 5},
+        "strategy": {"kind": "auto"},  # the plan picks DDP for a model this small
         "scaling": {"num_workers": 2},
         "checkpoint": {"storage_path": str(tmp_path / "runs")},
-        "log": {"progress": "quiet"},
+        "tracking": {"backend": "mlflow", "uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
+        "log": {"every_steps": 10},
     }
-    with socket.socket() as closed:  # bound, never listening: the server refuses connections
-        closed.bind(("127.0.0.1", 0))
-        raw["tracking"] = {
-            "backend": "mlflow",
-            "uri": f"http://127.0.0.1:{closed.getsockname()[1]}",
-        }
-        summary = run_job(config_from_dict(raw))
-    assert summary["mlflow_run_id"] is None
-    assert summary["tracking_error"].startswith("mlflow tracking failed")
+    cfg = config_from_dict(raw)
+    stream = io.StringIO()
+    summary = run_job(cfg, display=ProgressDisplay(mode="jsonl", stream=stream))
     # Untrained, the held-out loss is about ln(vocab) = 5.7 nats; the files repeat four
     # lines, so a trained model predicts most tokens (measured: 1.17 after 60 steps,
     # 73% of held-out tokens right).
@@ -89,3 +92,33 @@ def test_text_with_a_bpe_tokenizer_trains_on_a_worker_group_with_tracking_down(
     prepared = list((tmp_path / "runs" / "prepared").glob("*/meta.json"))
     assert len(prepared) == 1 and f'"vocab_size": {vocab}' in prepared[0].read_text()
     assert sorted((p.name, p.stat().st_mtime_ns) for p in data.iterdir()) == before
+
+    # The layout `auto` chose, said in the summary and in MLflow.
+    assert summary["strategy"] == "ddp"
+    choice = summary["strategy_choice"]
+    assert choice.startswith("strategy.kind=auto chose ddp 2 (strategy.kind=ddp")
+    run = mlflow.MlflowClient(tracking_uri=cfg.tracking.uri).get_run(summary["mlflow_run_id"])
+    assert run.data.tags["trainstack.strategy_choice"] == choice
+    assert run.data.params["strategy.kind"] == "ddp"
+    # Throughput counts the global batch (every worker's tokens) over the steady state's
+    # mean step, which the steps after warm-up take no more than the whole training time.
+    samples, tokens = cfg.train.global_batch_size, cfg.train.global_batch_size * 16
+    step_s = summary["step_time_s"]
+    assert summary["tokens_per_s"] == pytest.approx(tokens / step_s, rel=1e-9)
+    assert summary["samples_per_s"] == pytest.approx(samples / step_s, rel=1e-9)
+    assert 0 < step_s * (cfg.train.steps - 3) < summary["train_s"] < summary["wall_s"]
+    assert summary["mfu"] is None  # CPU: no known peak FLOP/s
+    # Start-up, part by part, adds up to the time to the first step, within the run's
+    # wall time (one machine: the driver's and the workers' clocks agree).
+    startup = summary["startup"]
+    parts = ("checks_s", "ray_connect_s", "worker_group_start_s", "model_build_s", "first_step_s")
+    assert all(startup[part] >= 0 for part in parts), startup
+    assert sum(startup[part] for part in parts) == pytest.approx(startup["to_first_step_s"])
+    assert summary["time_to_first_step_s"] == startup["to_first_step_s"] < summary["wall_s"]
+    assert startup["worker_group_start_s"] > 0.5  # the group's processes start and import torch
+    records = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [r["step"] for r in records] == [10, 20, 30, 40, 50, 60]
+    assert records[-1]["loss"] < records[0]["loss"]
+    for r in records:  # each window: the global batch's tokens over its mean step
+        assert r["tokens_per_s"] == pytest.approx(tokens / r["step_time_s"], rel=1e-9)
+        assert r["peak_mem_bytes"] > 0
