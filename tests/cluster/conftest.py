@@ -7,7 +7,6 @@ the rest of the suite starts Ray on a quiet machine.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -21,12 +20,6 @@ _shared: list[SimulatedCluster] = []
 """The folder's cluster once started (at most one)."""
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.fixture
 def sim_cluster() -> SimulatedCluster:
     if not _shared:
@@ -37,10 +30,12 @@ def sim_cluster() -> SimulatedCluster:
             head_node_args={
                 "num_cpus": 0,
                 # The dashboard serves Ray's state API (leftover actors, placement groups),
-                # on a free port: Ray refuses to start when its default 8265 is taken.
+                # on the port its own bind picks (0; Ray refuses to start when its default
+                # 8265 is taken, and a port probed free here could be taken before Ray
+                # binds it); clients find it through the cluster.
                 "include_dashboard": True,
                 "dashboard_host": "127.0.0.1",
-                "dashboard_port": free_port(),
+                "dashboard_port": 0,
                 "object_store_memory": 80 * 2**20,
                 "_system_config": FAST_FAILURE_DETECTION,
             },
