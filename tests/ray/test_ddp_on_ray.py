@@ -1,6 +1,6 @@
 """A group that finds no room is tried `failure.max_failures` more times, then the run
 ends with one line. (What a worker group's run reports, `strategy.kind: auto`'s choice
-among it: `test_text_on_ray`.)"""
+included: `test_text_on_ray`.)"""
 
 import os
 from pathlib import Path
