@@ -287,8 +287,10 @@ def run_cli(*argv: str) -> int:
 
 
 def test_cli_bad_run_id_exits_2_with_one_error_line(
-    store: str, cwd: Path, capsys: pytest.CaptureFixture[str]
+    ddp_run: str, store: str, cwd: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    # ddp_run makes the store exist, so the error is about the id, whichever xdist
+    # worker runs this test first.
     assert run_cli("report", "0123abcd", "--tracking-uri", store) == 2
     err = capsys.readouterr().err
     assert err.startswith("trainstack: error: no MLflow run '0123abcd'")
