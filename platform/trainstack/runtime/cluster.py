@@ -19,6 +19,14 @@ from trainstack.storage import (
     is_store_uri,
 )
 
+EMBEDDED_RAY_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+"""What an embedded local instance's processes get in their environment (they inherit the
+driver's), where the driver has not set it. Ray Train starts a PreemptionWatcher actor
+with each worker group, to hear of nodes an autoscaler drains; the embedded instance is
+one node that nothing drains, so there the watcher is only a process per group start
+and a core_worker error line on the console about its restart arguments. A cluster
+keeps Ray's default."""
+
 
 def connect(address: str | None, *, log_to_driver: bool = True) -> bool:
     """Connect to Ray as `ray_target` says; return True when this call started an
@@ -27,6 +35,8 @@ def connect(address: str | None, *, log_to_driver: bool = True) -> bool:
     if target == "cluster":
         ray.init(address=address or os.environ["RAY_ADDRESS"], log_to_driver=log_to_driver)
     elif target == "local":
+        for name, value in EMBEDDED_RAY_ENV.items():
+            os.environ.setdefault(name, value)
         # "local": a new instance even when a `ray start` cluster runs on this machine.
         ray.init(address="local", log_to_driver=log_to_driver)
     return target == "local"
