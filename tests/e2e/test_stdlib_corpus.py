@@ -43,7 +43,8 @@ def test_stdlib_gpt_learns_context_on_held_out_bytes_through_the_cli(tmp_path: P
             *(str(BIN / "trainstack"), "run", "jobs/configs/stdlib_gpt.yaml"),
             *("--set", sets[0], "--set", sets[1]),
             *("--summary-json", str(summary_path), "--progress", "lines"),
-        ]
+        ],
+        unset=("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER",),  # the suite's; here, trainstack's
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(summary_path.read_text())

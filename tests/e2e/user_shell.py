@@ -12,9 +12,11 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
-def user_env(**extra: str) -> dict[str, str]:
-    """The environment of a shell with the project's venv activated."""
-    env = dict(os.environ)
+def user_env(*, unset: tuple[str, ...] = (), **extra: str) -> dict[str, str]:
+    """The environment of a shell with the project's venv activated, less `unset` (such
+    as a setting the suite makes for every Ray, where trainstack's own default is what a
+    test checks)."""
+    env = {name: value for name, value in os.environ.items() if name not in unset}
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env.pop("RAY_ADDRESS", None)
     env["RAY_USAGE_STATS_ENABLED"] = "0"
@@ -23,11 +25,13 @@ def user_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run(args: list[str], **extra_env: str) -> subprocess.CompletedProcess[str]:
+def run(
+    args: list[str], *, unset: tuple[str, ...] = (), **extra_env: str
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         args,
         cwd=ROOT,
-        env=user_env(**extra_env),
+        env=user_env(unset=unset, **extra_env),
         capture_output=True,
         text=True,
         check=False,

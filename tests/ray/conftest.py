@@ -7,8 +7,6 @@ from collections.abc import Iterator
 import pytest
 import ray
 
-from trainstack.runtime.cluster import EMBEDDED_RAY_ENV
-
 
 @pytest.fixture(scope="session")
 def state_api_of_no_other_instance() -> Iterator[None]:
@@ -32,11 +30,7 @@ def state_api_of_no_other_instance() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def ray_cluster(state_api_of_no_other_instance: None) -> Iterator[None]:
-    """The embedded instance `trainstack run` starts (its environment too), with 4 CPUs."""
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in EMBEDDED_RAY_ENV.items():
-            patch.setenv(name, value)
-        # "local": a new instance, never a cluster another test (or `ray start`) left behind.
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-        yield
-        ray.shutdown()
+    # "local": a new instance, never a cluster another test (or `ray start`) left behind.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
