@@ -33,8 +33,11 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "randk": {"ratio": 0.1},
     # killed inside the warm-up, with AdamW's moments on the ranks
     "topk-dgc": {"kind": "topk", "ratio": 0.01, "momentum_correction": True, "warmup_steps": 16},
-    # killed after moving to top-k 1% at step 10 on a modelled 50 Mbit/s link
-    "auto": {"kind": "auto", "ratio": 0.01, "auto_link_gbit": 0.05},
+    # killed after moving to top-k 1% at step 10 on a modelled 1 Mbit/s link: there dense
+    # is modelled about 3 s a step slower (0.4 MB of gradient), which no codec time a
+    # loaded CPU measures comes near, so the choice never turns on the machine's speed (at
+    # 50 Mbit/s the margin was 64 ms: a starved run measured more and went back to dense)
+    "auto": {"kind": "auto", "ratio": 0.01, "auto_link_gbit": 0.001},
     # the link timed, not given
     "auto-measured": {"kind": "auto", "ratio": 0.01},
 }
@@ -104,7 +107,7 @@ def test_killed_worker_resumes_compressed_training_bitwise(kind: str, tmp_path: 
     assert all(torch.equal(a[name], b[name]) for name in a)
     if kind == "auto":  # the move is an event of the run, once (the kill came after it)
         moves = [e for e in events(tmp_path / "b") if e.get("event") == "compression"]
-        assert [(e["step"], e["ratio"]) for e in moves] == [(10, 0.01)]
+        assert [(e["step"], e["ratio"]) for e in moves] == [(10, 0.01)], moves
         assert moves[0]["reason"].startswith("top-k 0.01: modelled step")
 
 
@@ -129,4 +132,4 @@ def test_auto_times_the_link_it_runs_on_and_decides_by_it(tmp_path: Path) -> Non
         out_dir=tmp_path / "a",
     )
     assumed = modelled["compression_link"]
-    assert not assumed["measured"] and assumed["bytes_per_s"] == 0.05e9 / 8
+    assert not assumed["measured"] and assumed["bytes_per_s"] == 0.001e9 / 8
