@@ -16,9 +16,9 @@ def user_env(*, unset: tuple[str, ...] = (), **extra: str) -> dict[str, str]:
     """The environment of a shell with the project's venv activated, less `unset` (such
     as a setting the suite makes for every Ray, where trainstack's own default is what a
     test checks)."""
-    env = {name: value for name, value in os.environ.items() if name not in unset}
+    dropped = {"RAY_ADDRESS", *unset}  # RAY_ADDRESS: the user's command picks its own Ray
+    env = {name: value for name, value in os.environ.items() if name not in dropped}
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
-    env.pop("RAY_ADDRESS", None)
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
