@@ -9,6 +9,7 @@ docs/data.md's "Bits per byte against gzip and xz" gives the figures, and
 `make demo-stdlib` reproduces them."""
 
 import json
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -38,14 +39,21 @@ def order0_bits_per_byte(data: bytes) -> float:
 def test_stdlib_gpt_learns_context_on_held_out_bytes_through_the_cli(tmp_path: Path) -> None:
     summary_path = tmp_path / "summary.json"
     sets = [f"train.steps={STEPS}", f"checkpoint.storage_path={tmp_path / 'runs'}"]
-    proc = run(
-        [
-            *(str(BIN / "trainstack"), "run", "jobs/configs/stdlib_gpt.yaml"),
-            *("--set", sets[0], "--set", sets[1]),
-            *("--summary-json", str(summary_path), "--progress", "lines"),
-        ],
-        unset=("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER",),  # the suite's; here, trainstack's
-    )
+    # Any Ray state-API question the run's processes ask goes to a port this test holds
+    # and never listens on, as one asked of another Ray instance on the machine would go
+    # unanswered for this run; a helper that asks (Ray Train's placement-group cleaner)
+    # then says so on the console, each second.
+    with socket.socket() as unanswered:
+        unanswered.bind(("127.0.0.1", 0))
+        proc = run(
+            [
+                *(str(BIN / "trainstack"), "run", "jobs/configs/stdlib_gpt.yaml"),
+                *("--set", sets[0], "--set", sets[1]),
+                *("--summary-json", str(summary_path), "--progress", "lines"),
+            ],
+            unset=("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER",),  # the suite's; here, trainstack's
+            RAY_API_SERVER_ADDRESS=f"http://127.0.0.1:{unanswered.getsockname()[1]}",
+        )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(summary_path.read_text())
     # The held-out bytes: the first 256 held-out windows' targets, which the bytes
@@ -77,3 +85,7 @@ def test_stdlib_gpt_learns_context_on_held_out_bytes_through_the_cli(tmp_path: P
     # The embedded instance starts no PreemptionWatcher (nothing drains its one node), so
     # the console has none of the core_worker error lines Ray prints about one.
     assert "PreemptionWatcher" not in proc.stdout + proc.stderr
+    # Nor a placement-group cleaner: the instance, and with it the group, ends with the
+    # run, and the cleaner's state-API questions (answered by another Ray on the machine,
+    # or, here, by no one) never reach the console.
+    assert "PlacementGroupCleaner" not in proc.stdout + proc.stderr

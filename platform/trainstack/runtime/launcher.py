@@ -26,6 +26,9 @@ import ray.train
 import ray.train.torch
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+from ray.train.v2._internal.callbacks.placement_group_callback import (
+    PlacementGroupCleanerCallback,
+)
 from ray.util.queue import Queue
 
 from trainstack import checkpoint as ckpt
@@ -72,18 +75,33 @@ class RayCheckpointStore:
 
 
 class _Trainer(TorchTrainer):
-    """Ray Train's `TorchTrainer`, less its Ray Data hand-off when the run streams none.
+    """Ray Train's `TorchTrainer`, less the helper actors a run has no use for.
 
-    Train V2 starts a dataset-manager actor at every worker-group start, datasets or not
-    (a process that imports Ray Data: about 1.5 s of CPU), and hands each worker Ray
-    Data's context. A run that reads its own shards uses neither.
+    - Its Ray Data hand-off, when the run streams none. Train V2 starts a dataset-manager
+      actor at every worker-group start, datasets or not (a process that imports Ray
+      Data: about 1.5 s of CPU), and hands each worker Ray Data's context. A run that
+      reads its own shards uses neither.
+    - Its placement-group cleaner, on an `embedded` instance (one this run started, and
+      shuts down when the fit returns). The cleaner is a detached actor that removes the
+      worker group's placement group if the controller dies while the driver lives on;
+      the embedded instance ends with the driver, so there is nothing left to remove. And
+      the cleaner asks Ray's state API whether the controller lives, without an address:
+      with a `ray start` cluster on the same machine, the state API answers for that
+      cluster, which knows no such controller: the cleaner ends, and its warnings reach
+      the run's console (by its code, had the group registered before that answer, it
+      would have removed a live run's placement group).
     """
+
+    def __init__(self, *args: Any, embedded: bool, **kwargs: Any) -> None:
+        self._embedded = embedded
+        super().__init__(*args, **kwargs)
 
     def _create_default_callbacks(self) -> list[Any]:
         callbacks: list[Any] = super()._create_default_callbacks()  # type: ignore[misc]  # V2
-        if self.datasets:
-            return callbacks
-        return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+        unused: list[type] = [] if self.datasets else [DatasetsCallback]
+        if self._embedded:
+            unused.append(PlacementGroupCleanerCallback)
+        return [c for c in callbacks if not isinstance(c, tuple(unused))]
 
 
 def _quiet_report_logs() -> None:
@@ -214,6 +232,7 @@ def run_job(
     # Elastic: Ray Train starts with as many as fit (at least min) and resizes the group.
     workers = (s.min_workers, s.num_workers) if s.elastic else s.num_workers
     trainer = _Trainer(
+        embedded=started_local,
         train_loop_per_worker=_train_worker,
         datasets=datasets,
         dataset_config=ray_ingest_config() if datasets else None,
