@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from trainstack.checkpoint.pretrained import read_parts, saved_shapes
-from trainstack.models.on_meta import has_meta_parameters, tensor_names
+from trainstack.models.on_meta import has_meta_parameters, saved_names
 from trainstack.strategies.dtensor_state import local_part
 
 M = TypeVar("M", bound=nn.Module)
@@ -77,14 +77,12 @@ def read_pretrained(
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     for module in modules:
         state = module.state_dict(keep_vars=True)
-        for keys in tensor_names(module):
-            names = [n for key in keys for n in (key, *(aliases or {}).get(key, ()))]
-            found = next((n for n in names if n in saved), None)
-            assert found is not None, (keys, "build_hf_model checked every tensor is saved")
+        for key, found in saved_names(module, saved, aliases=aliases):
+            assert found is not None, (key, "build_hf_model checked every tensor is saved")
             if found in tensors:
-                copies.append((state[keys[0]], tensors[found]))
+                copies.append((state[key], tensors[found]))
             else:
-                tensors[found] = state[keys[0]]
+                tensors[found] = state[key]
     read_parts(path, tensors)
     with torch.no_grad():
         for copy, source in copies:

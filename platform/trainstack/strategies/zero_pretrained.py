@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from trainstack.checkpoint.pretrained import read_runs, saved_shapes
-from trainstack.models.on_meta import tensor_names
+from trainstack.models.on_meta import saved_names
 
 
 def partition_on_meta(model: nn.Module, *, config: Mapping[str, Any]) -> None:
@@ -77,10 +77,9 @@ def read_held(model: nn.Module, folder: str) -> None:
     state = model.state_dict(keep_vars=True)
     runs: dict[str, tuple[int, torch.Tensor]] = {}
     with torch.no_grad():
-        for keys in tensor_names(model):
-            found = next((key for key in keys if key in saved), None)
-            assert found is not None, (keys, "build_hf_model checked every tensor is saved")
-            runs[found] = _run(state[keys[0]])
+        for key, found in saved_names(model, saved):
+            assert found is not None, (key, "build_hf_model checked every tensor is saved")
+            runs[found] = _run(state[key])
         read_runs(path, runs)
 
 
