@@ -1,6 +1,7 @@
 """`trainstack submit` and `ray job submit` of jobs/train.py and tune/sweep.py against a
 `ray start --head` cluster on 127.0.0.1 with token authentication (one cluster for the
-module)."""
+module); and, beside that cluster, a run's placement-group cleaner on an instance of its
+own."""
 
 import contextlib
 import csv
@@ -20,13 +21,16 @@ from pathlib import Path
 import mlflow
 import psutil
 import pytest
+import ray
 import torch
 import yaml
 from ray.job_submission import JobStatus, JobSubmissionClient
+from ray.util.placement_group import placement_group, placement_group_table
 
 from trainstack import checkpoint as ckpt
 from trainstack.config import config_to_dict, load_config
 from trainstack.runtime.gloo_processes import run_processes
+from trainstack.runtime.launcher import OwnInstanceCleaner
 
 from bounds import assert_trained, max_difference
 from user_shell import BIN, ROOT, run, user_env
@@ -362,6 +366,52 @@ def test_the_dashboard_shows_the_job_by_name_its_progress_and_its_actors(
     client = job_api(head_node, auth)
     until(lambda: client.get_job_status(job).is_terminal())  # not into the next test
     assert client.get_job_status(job) == JobStatus.SUCCEEDED, client.get_job_logs(job)[-2000:]
+
+
+@pytest.mark.timeout(180)
+def test_a_runs_placement_group_cleaner_asks_its_own_instance_with_another_on_the_machine(
+    head_node: HeadNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With another Ray instance on the machine (the module's cluster), the cleaner
+    trainstack's trainer starts keeps the run's placement group while the controller
+    lives and removes it once the controller is gone. Ray's own cleaner asks the state API
+    of "the" instance on the machine: it finds two here and stops watching (with a `ray
+    start` cluster's address file it asks that cluster, which knows no such controller),
+    so a sweep's trial that ASHA stopped kept its group, and the next trial waited for
+    CPUs that never came back."""
+    for name in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):  # the state API found on its own
+        monkeypatch.delenv(name, raising=False)
+    if ray.is_initialized():  # another module's instance
+        ray.shutdown()
+    ray.init(address="local", num_cpus=1, log_to_driver=False)  # with the state API
+
+    class Controller:  # stands in for the run's Train controller (sent by value)
+        def ready(self) -> bool:
+            return True
+
+    try:
+        controller = ray.remote(num_cpus=0)(Controller).remote()
+        assert ray.get(controller.ready.remote())
+        group = placement_group([{"CPU": 1}])
+        ray.get(group.ready())
+        cleaner = (
+            ray.remote(num_cpus=0)(OwnInstanceCleaner)
+            .options(lifetime="detached")
+            .remote(
+                controller_actor_id=controller._actor_id.hex(),
+                check_interval_s=0.5,
+                get_actor_timeout_s=10,
+                stop_timeout=None,
+            )
+        )
+        ray.get(cleaner.register_placement_group.remote(group))
+        ray.get(cleaner.start_monitoring.remote())
+        time.sleep(3)  # six questions at least, each answered "alive"
+        assert placement_group_table(group)["state"] == "CREATED"
+        ray.kill(controller)
+        until(lambda: placement_group_table(group)["state"] == "REMOVED")
+    finally:
+        ray.shutdown()
 
 
 @pytest.mark.timeout(180)  # the module's cluster stops after it

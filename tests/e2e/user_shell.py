@@ -16,7 +16,9 @@ def user_env(*, unset: tuple[str, ...] = (), **extra: str) -> dict[str, str]:
     """The environment of a shell with the project's venv activated, less `unset` (such
     as a setting the suite makes for every Ray, where trainstack's own default is what a
     test checks)."""
-    dropped = {"RAY_ADDRESS", *unset}  # RAY_ADDRESS: the user's command picks its own Ray
+    # The user's command picks its own Ray (RAY_ADDRESS), and its own state API: tests/ray
+    # points the state API of its session at a port nobody answers.
+    dropped = {"RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", *unset}
     env = {name: value for name, value in os.environ.items() if name not in dropped}
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env["RAY_USAGE_STATS_ENABLED"] = "0"

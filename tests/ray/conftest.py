@@ -13,13 +13,14 @@ def state_api_of_no_other_instance() -> Iterator[None]:
     """For the Ray instances this session starts, a Ray state API that never answers.
 
     Ray Train's placement-group cleaner asks the state API whether its run's controller
-    still lives. Told no address, the state API finds one on its own: the newest Ray
-    instance on this machine, which may be another process's; that one does not know the
-    controller, and the cleaner removes the live run's placement group (its workers die:
-    "Destroying worker since its placement group was removed"). Pointed at a port this
-    process holds and never listens on (Ray's processes inherit the environment), the
-    question fails, as it would on a dashboard-less instance alone on the machine, and
-    the cleaner keeps waiting (a run's placement group goes with its controller anyway).
+    still lives. Ray's own, told no address, lets the state API find one on its own: "the"
+    Ray instance on this machine, which may be another process's (that one does not know
+    the controller, and the cleaner ends or removes the live run's placement group).
+    trainstack's trainer gives its cleaner its own instance's address
+    (`launcher.OwnInstanceCleaner`); this setting, which wins over that address, keeps
+    any cleaner of a run here from asking anyone, as on a dashboard-less instance alone
+    on the machine: it keeps waiting (these runs end normally, and a run that ends
+    normally removes its group itself).
     """
     with socket.socket() as unanswered:
         unanswered.bind(("127.0.0.1", 0))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 import uuid
@@ -25,9 +26,13 @@ import ray
 import ray.train
 import ray.train.torch
 from ray.train.torch import TorchTrainer
+from ray.train.v2._internal.callbacks import placement_group_callback
 from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.callbacks.placement_group_callback import (
     PlacementGroupCleanerCallback,
+)
+from ray.train.v2._internal.execution.controller.placement_group_cleaner import (
+    PlacementGroupCleaner,
 )
 from ray.util.queue import Queue
 
@@ -74,22 +79,46 @@ class RayCheckpointStore:
         )
 
 
+class OwnInstanceCleaner(PlacementGroupCleaner):
+    """Ray Train's placement-group cleaner, asking its own Ray instance whether the
+    controller lives.
+
+    The cleaner is a detached actor that removes a worker group's placement group once
+    the run's controller is gone (a sweep's trial stopped early by ASHA takes its
+    controller with it; the group outlives both, as every group an actor creates does).
+    Ray's asks the state API with no address, which finds "the" Ray instance on the
+    machine: with a `ray start` cluster there too, that cluster (which knows no such
+    controller: the cleaner ends at once, before any group is registered), or with
+    several, an error that ends its watch. Either way a stopped trial's group was never
+    removed, and the sweep's next trial waited for CPUs that never came back. Given its
+    own instance's address, the answer is about its own controller. A state-API address
+    the environment names still wins (tests/ray's conftest names one)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+        super().__init__(*args, **kwargs)
+
+
+class _OwnInstanceCleanerCallback(PlacementGroupCleanerCallback):
+    """Ray Train's callback that starts the cleaner, starting `OwnInstanceCleaner`."""
+
+    def after_controller_start(self, train_run_context: Any) -> None:
+        # The callback builds the actor from its module's global, in the controller's
+        # process (its own for each run).
+        placement_group_callback.PlacementGroupCleaner = OwnInstanceCleaner  # type: ignore[misc]
+        super().after_controller_start(train_run_context)
+
+
 class _Trainer(TorchTrainer):
-    """Ray Train's `TorchTrainer`, less the helper actors a run has no use for.
+    """Ray Train's `TorchTrainer`, less the helper actors a run has no use for, and with
+    a placement-group cleaner that asks its own instance (`OwnInstanceCleaner`).
 
     - Its Ray Data hand-off, when the run streams none. Train V2 starts a dataset-manager
       actor at every worker-group start, datasets or not (a process that imports Ray
       Data: about 1.5 s of CPU), and hands each worker Ray Data's context. A run that
       reads its own shards uses neither.
-    - Its placement-group cleaner, on an `embedded` instance (one this run started, and
-      shuts down when the fit returns). The cleaner is a detached actor that removes the
-      worker group's placement group if the controller dies while the driver lives on;
-      the embedded instance ends with the driver, so there is nothing left to remove. And
-      the cleaner asks Ray's state API whether the controller lives, without an address:
-      with a `ray start` cluster on the same machine, the state API answers for that
-      cluster, which knows no such controller: the cleaner ends, and its warnings reach
-      the run's console (by its code, had the group registered before that answer, it
-      would have removed a live run's placement group).
+    - The cleaner, on an `embedded` instance (one this run started, and shuts down when
+      the fit returns): the group ends with the instance, so there is nothing to clean.
     """
 
     def __init__(self, *args: Any, embedded: bool, **kwargs: Any) -> None:
@@ -97,11 +126,16 @@ class _Trainer(TorchTrainer):
         super().__init__(*args, **kwargs)
 
     def _create_default_callbacks(self) -> list[Any]:
-        callbacks: list[Any] = super()._create_default_callbacks()  # type: ignore[misc]  # V2
-        unused: list[type] = [] if self.datasets else [DatasetsCallback]
-        if self._embedded:
-            unused.append(PlacementGroupCleanerCallback)
-        return [c for c in callbacks if not isinstance(c, tuple(unused))]
+        callbacks: list[Any] = []
+        for callback in super()._create_default_callbacks():  # type: ignore[misc]  # V2
+            if isinstance(callback, DatasetsCallback) and not self.datasets:
+                continue
+            if isinstance(callback, PlacementGroupCleanerCallback):
+                if self._embedded:
+                    continue
+                callback = _OwnInstanceCleanerCallback()
+            callbacks.append(callback)
+        return callbacks
 
 
 def _quiet_report_logs() -> None:
