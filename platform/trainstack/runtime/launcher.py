@@ -84,15 +84,16 @@ class OwnInstanceCleaner(PlacementGroupCleaner):
     controller lives.
 
     The cleaner is a detached actor that removes a worker group's placement group once
-    the run's controller is gone (a sweep's trial stopped early by ASHA takes its
-    controller with it; the group outlives both, as every group an actor creates does).
-    Ray's asks the state API with no address, which finds "the" Ray instance on the
-    machine: with a `ray start` cluster there too, that cluster (which knows no such
-    controller: the cleaner ends at once, before any group is registered), or with
-    several, an error that ends its watch. Either way a stopped trial's group was never
-    removed, and the sweep's next trial waited for CPUs that never came back. Given its
-    own instance's address, the answer is about its own controller. A state-API address
-    the environment names still wins (tests/ray's conftest names one)."""
+    the run's controller is gone: a sweep's trial stopped early by ASHA takes its
+    controller with it, and the group stays. Ray's asks the state API with no address,
+    which finds "the" Ray instance on the machine: with a `ray start` cluster there too,
+    that cluster (which knows no such controller: the cleaner ends at once, before any
+    group is registered), or with several, an error that ends its watch. Either way a
+    stopped trial's group was never removed: beside a `ray start` cluster, the demo
+    sweep's next trial waited for its CPUs until the sweep was killed minutes later.
+    Given its own instance's address, the answer is about its own controller. A
+    state-API address the environment names still wins (tests/ray's conftest names one).
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
