@@ -150,7 +150,7 @@ def test_a_lost_local_server_costs_at_most_its_unsent_steps_and_its_workers_go_o
     nodes = [sim_cluster.add_worker(cpus=2), sim_cluster.add_worker(cpus=2)]
     service = sim_cluster.add_service_node(cpus=2)
     sim_cluster.wait_for_capacity(4)
-    raw = spec(tmp_path, workers=4, steps=60)
+    raw = spec(tmp_path, workers=4, steps=100)
     raw["strategy"].update(local_servers="per_node", sync_every=2, max_local_staleness=1)
     raw["faults"] = {"step_delay_s": 0.05}  # still mid-run when the node is gone
     placed: dict[str, list[Any]] = {}  # the local servers and workers before the loss
@@ -193,11 +193,13 @@ def check_a_lost_local_server(
     lost_workers = [w for w, restarts in enumerate(ps["worker_restarts"]) if restarts]
     assert ps["workers_on_shards"] == lost_workers == sorted({0, 1, 2, 3} - set(kept))
     assert ps["worker_restarts"].count(1) == 2
-    assert ps["worker_clocks"] == [60] * 4 and summary["steps"] == 60
+    assert ps["worker_clocks"] == [100] * 4 and summary["steps"] == 100
     assert 0 <= ps["pushes_lost"] <= raw["strategy"]["sync_every"] - 1
     bound = clock_lag_bound(config_from_dict(raw))
     assert bound == 1 + 1 + 1 and 0 < ps["clock_lag_max"] <= bound
-    # Measured: 1.37, against the floor's 1.14, a context-blind model's 2.42 and the
-    # untrained model's 2.72 (ln 16 = 2.77).
+    # Measured over 100 steps (the node lost at step 22-25): 1.17-1.35 in 6 runs, 3 of
+    # them beside a busy core, against the floor's 1.14, a context-blind model's 2.42 and
+    # the untrained model's 2.72 (ln 16 = 2.77). Over 60 steps it was 1.37-1.72, the run
+    # still descending, and 1.71 missed this bound in a clean clone's suite.
     assert summary["final_loss"] < summary["entropy_floor"] + 0.5
     wait_until_no_ps_actor_is_left()
