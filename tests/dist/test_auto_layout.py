@@ -12,6 +12,7 @@ chosen layout then runs in float64, so it can be held to one process within
 import dataclasses
 from pathlib import Path
 
+import pytest
 import torch
 
 from trainstack.config import config_from_dict
@@ -37,6 +38,7 @@ def spec(storage: Path) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_auto_shards_a_model_ddp_cannot_hold_and_the_choice_trains(tmp_path: Path) -> None:
     raw = spec(tmp_path)
     chosen, why = resolve_auto(config_from_dict(raw))

@@ -21,6 +21,7 @@ pytest.importorskip(
 )
 
 
+@pytest.mark.slow
 def test_digits_cnn_under_ddp_reaches_95_percent_held_out_accuracy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

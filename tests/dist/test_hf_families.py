@@ -204,6 +204,7 @@ def test_tensor_parallel_by_the_familys_plan_matches_one_process(
         assert_exported_logits(raw, split, tmp_path / "export")
 
 
+@pytest.mark.slow
 def test_mixtrals_tensor_parallel_checkpoint_resumes_under_fsdp_2_x_tensor_parallel_2(
     tmp_path: Path,
 ) -> None:

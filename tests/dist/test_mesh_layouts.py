@@ -286,7 +286,14 @@ def test_pipeline_hsdp_shards_within_a_group_and_replicates_across(runs: Runs) -
     assert hsdp["optimizer"] == pytest.approx(fsdp2["optimizer"], rel=0.01)
 
 
-@pytest.mark.parametrize("layout", ["tp2xdp2", "pp2xtp2", "pp2xfsdp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param("tp2xdp2", marks=pytest.mark.slow),
+        pytest.param("pp2xtp2", marks=pytest.mark.slow),
+        "pp2xfsdp2",
+    ],
+)
 def test_resume_after_a_killed_worker_is_bitwise_identical(
     runs: Runs, tmp_path: Path, layout: str
 ) -> None:
@@ -300,6 +307,7 @@ def test_resume_after_a_killed_worker_is_bitwise_identical(
         assert torch.equal(resumed[name], weight), name
 
 
+@pytest.mark.slow
 def test_sharded_checkpoints_reshard_across_layouts_with_their_optimizer_state(
     runs: Runs, tmp_path: Path, reference: dict[str, torch.Tensor]
 ) -> None:
@@ -328,6 +336,7 @@ def test_sharded_checkpoints_reshard_across_layouts_with_their_optimizer_state(
             previous = done[layout]
 
 
+@pytest.mark.slow
 def test_a_zero_checkpoint_hands_tp2_its_weights_and_adam_state(tmp_path: Path) -> None:
     """DeepSpeed ZeRO-2's consolidated weights and its per-rank optimizer partitions,
     put back together by parameter name, resume under tensor parallelism as if the run

@@ -256,6 +256,7 @@ def test_activation_checkpointing_from_the_model_keeps_less_in_deepspeeds_stages
     assert all(on < off / 3 for on, off in zip(peaks, plain, strict=True)), (peaks, plain)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["2x2-zero1"])  # ZeRO-1 shards too: the harder one
 def test_resume_after_a_killed_worker_is_bitwise_identical(
     runs: Runs, tmp_path: Path, layout: str

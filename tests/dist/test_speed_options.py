@@ -55,6 +55,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tenso
     return weights
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("workers", "strategy", "model"),
     [

@@ -238,7 +238,7 @@ def test_zero_checkpoint_files_load_with_weights_only(runs: dict[str, Run]) -> N
 
 # Stage 1 resumes through stage 2's code (DeepSpeed's one stage-1-and-2 optimizer, the
 # same `_load_exact` branch); stage 3 rebuilds its partitioned parameters.
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_zero_resume_after_a_killed_worker_is_bitwise_identical(
     runs: dict[str, Run], tmp_path: Path, stage: int
 ) -> None:
