@@ -146,7 +146,7 @@ def test_trainstack_submit_trains_the_demo_under_its_name_as_gloo_processes_do(
     sets = [f"train.steps={DEMO_STEPS}", f"checkpoint.storage_path={tmp_path / 'runs'}"]
     proc = run(
         [
-            *(str(BIN / "trainstack"), "submit", "jobs/configs/demo.yaml"),
+            *(str(BIN / "trainstack"), "submit", "jobs/configs/demo.yaml", "--deps", "image"),
             *("--address", head_node.address, "--set", sets[0], "--set", sets[1]),
             *("--summary-json", str(summary_path)),
         ],
@@ -291,7 +291,7 @@ def test_the_dashboard_shows_the_job_by_name_its_progress_and_its_actors(
     steps = 40
     proc = run(
         [
-            *(str(BIN / "trainstack"), "submit", "jobs/configs/ps.yaml"),
+            *(str(BIN / "trainstack"), "submit", "jobs/configs/ps.yaml", "--deps", "image"),
             *("--address", head_node.address, "--no-wait"),
             *("--set", f"train.steps={steps}", "--set", "scaling.num_workers=1"),
             *("--set", f"checkpoint.storage_path={tmp_path / 'runs'}"),

@@ -63,7 +63,11 @@ def test_the_vendored_schema_refuses_what_kuberay_refuses(rayjob_schema: dict) -
 def demo_manifest(**changes: Any) -> dict[str, Any]:
     overrides = ["checkpoint.storage_path=s3://bucket/runs", *changes.pop("overrides", [])]
     cfg = load_config(DEMO, overrides)
-    keys: dict[str, Any] = {"working_dir": "s3://bucket/trainstack.zip", "image": None}
+    keys: dict[str, Any] = {
+        "working_dir": "s3://bucket/trainstack.zip",
+        "image": None,
+        "deps": "pip",
+    }
     return rayjob_manifest(
         cfg,
         spec="jobs/configs/demo.yaml",
@@ -97,7 +101,13 @@ def test_a_cpu_job_becomes_a_head_without_training_and_a_pod_per_worker(
         "python jobs/train.py --config jobs/configs/demo.yaml "
         "--set checkpoint.storage_path=s3://bucket/runs --progress lines"
     )
-    assert yaml.safe_load(spec["runtimeEnvYAML"]) == {"working_dir": "s3://bucket/trainstack.zip"}
+    runtime_env = yaml.safe_load(spec["runtimeEnvYAML"])
+    assert runtime_env["working_dir"] == "s3://bucket/trainstack.zip"
+    # Ray's image has Ray alone: the job installs the rest, Ray held at the image's own
+    packages = runtime_env["pip"]["packages"]
+    assert "ray[default,train,tune]==2.60.0" in packages
+    assert {p.split(">")[0].split("=")[0] for p in packages} >= {"torch", "deepspeed", "mlflow"}
+    assert not any(p.startswith("transformers") for p in packages)  # the demo needs no hf
     assert spec["shutdownAfterJobFinishes"] is True and spec["metadata"]["job_name"] == "demo"
 
 
@@ -130,6 +140,7 @@ def test_an_elastic_job_lets_the_worker_group_shrink_to_its_minimum(rayjob_schem
         overrides=["scaling.num_workers={min: 2, max: 4}", "train.global_batch_size=48"],
         image="registry.example.com/team/trainstack:1.0",
         working_dir=None,
+        deps="image",
     )
     validate(manifest, rayjob_schema)
     (workers,) = manifest["spec"]["rayClusterSpec"]["workerGroupSpecs"]
@@ -138,14 +149,22 @@ def test_an_elastic_job_lets_the_worker_group_shrink_to_its_minimum(rayjob_schem
 
 
 @pytest.mark.parametrize(
-    ("storage", "working_dir", "image", "words"),
+    ("storage", "working_dir", "image", "deps", "words"),
     [
-        ("runs", "s3://bucket/p.zip", None, "is a local path, which Kubernetes pods do not share"),
-        ("s3://bucket/runs", None, None, "the pods need the project: give --working-dir URI"),
+        (
+            "runs",
+            "s3://bucket/p.zip",
+            None,
+            "pip",
+            "is a local path, which Kubernetes pods do not share",
+        ),
+        ("s3://bucket/runs", None, None, "image", "the pods need the project: give --working-dir"),
+        ("s3://bucket/runs", "s3://bucket/p.zip", None, "image", "has no torch, DeepSpeed"),
+        ("s3://bucket/runs", None, "team/img:1", "uv", "not trainstack: give --working-dir"),
     ],
 )
 def test_a_manifest_pods_could_not_run_is_refused_in_one_line(
-    storage: str, working_dir: str | None, image: str | None, words: str
+    storage: str, working_dir: str | None, image: str | None, deps: str, words: str
 ) -> None:
     cfg = config_from_dict({"name": "x", "checkpoint": {"storage_path": storage}})
     with pytest.raises(ConfigError) as refused:
@@ -156,6 +175,7 @@ def test_a_manifest_pods_could_not_run_is_refused_in_one_line(
             working_dir=working_dir,
             image=image,
             ray_version="2.60.0",
+            deps=deps,
         )
     assert words in str(refused.value) and "\n" not in str(refused.value)
 
@@ -176,6 +196,8 @@ def test_the_command_writes_a_manifest_that_validates(
             DEMO,
             "--working-dir",
             "s3://bucket/p.zip",
+            "--deps",
+            "uv",
             "--storage",
             "s3://bucket/runs",
             "--secret",
@@ -196,8 +218,14 @@ def test_the_command_writes_a_manifest_that_validates(
         in (manifest["spec"]["entrypoint"])
     )
     assert f"kubectl apply -f {out}" in capsys.readouterr().out
-    assert main(["k8s", DEMO, "--working-dir", "s3://bucket/p.zip"]) == 2
+    assert "uv" in yaml.safe_load(manifest["spec"]["runtimeEnvYAML"])
+    assert main(["k8s", DEMO, "--working-dir", "s3://bucket/p.zip", "--deps", "pip"]) == 2
     assert "is a local path" in capsys.readouterr().err
+    # Ray's image and nothing to install torch with: refused before anything is written
+    assert (
+        main(["k8s", DEMO, "--working-dir", "s3://bucket/p.zip", "--storage", "s3://bucket/r"]) == 2
+    )
+    assert "trainstack k8s needs --deps" in capsys.readouterr().err
 
 
 def test_the_package_puts_trainstack_where_rays_working_dir_makes_it_importable(

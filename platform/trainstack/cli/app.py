@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("config", help="job spec (YAML)")
     add_overrides(prepare, what="a spec key, e.g. --set data.tokenizer=tokenizer.json")
     prepare.set_defaults(handler=prepare_command)
+    from trainstack.cli.doctor import add_doctor_parser
     from trainstack.cli.k8s import add_k8s_parser
     from trainstack.cli.plan import add_plan_parser
     from trainstack.cli.report import add_report_parser
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_submit_parser(commands)
     add_report_parser(commands)
     add_k8s_parser(commands)
+    add_doctor_parser(commands)
     return parser
 
 

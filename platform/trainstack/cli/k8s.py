@@ -1,7 +1,7 @@
 """`trainstack k8s SPEC`: the same job on Kubernetes, as a KubeRay `RayJob` manifest.
 
     trainstack k8s jobs/configs/demo.yaml --working-dir s3://BUCKET/trainstack.zip \
-        --storage s3://BUCKET/runs --secret aws-credentials --out demo-rayjob.yaml
+        --deps pip --storage s3://BUCKET/runs --secret aws-credentials --out demo-rayjob.yaml
     kubectl apply -f demo-rayjob.yaml
 
 KubeRay's operator turns a `RayJob` into a Ray cluster (a head pod and a group of worker
@@ -19,6 +19,10 @@ deletes the cluster when the job ends. The manifest `rayjob_manifest` writes:
   every process's PYTHONPATH), and/or an image with trainstack installed. `--package
   ZIP` writes that zip: the checkout's tracked files, with `platform/trainstack` at the
   top as `trainstack/`, so the pods import it from there;
+- **the libraries** (`--deps`): Ray's own image has Ray alone, so either `--image` names
+  one that has torch, DeepSpeed and MLflow too (`--deps image`), or the job's runtime
+  environment installs them over Ray's image with pip or uv (`--deps pip`, `--deps uv`),
+  Ray pinned to the image's version;
 - **the entrypoint**: `python jobs/train.py --config SPEC ...`, the command
   `trainstack submit` sends, with the job's metadata (`trainstack submit`'s too);
 - **checkpoints**: pods share no disk, so `checkpoint.storage_path` must be an object
@@ -38,7 +42,13 @@ from typing import Any
 
 import yaml
 
-from trainstack.cli.submit import entrypoint, job_metadata
+from trainstack.cli.submit import (
+    add_deps_argument,
+    dependency_env,
+    deps_required,
+    entrypoint,
+    job_metadata,
+)
 from trainstack.config import ConfigError, JobConfig, load_config
 from trainstack.storage import is_store_uri
 
@@ -56,14 +66,16 @@ def rayjob_manifest(
     working_dir: str | None,
     image: str | None,
     ray_version: str,
+    deps: str,
     namespace: str | None = None,
     secret: str | None = None,
     worker_memory: str = "8Gi",
     head_memory: str = "4Gi",
 ) -> dict[str, Any]:
-    """The `RayJob` for `spec` (with `overrides`, as `trainstack run` takes them).
-    ConfigError when pods could not run it: checkpoints on a local path, or the project
-    nowhere a pod can find it."""
+    """The `RayJob` for `spec` (with `overrides`, as `trainstack run` takes them), its
+    libraries from `deps` (`image`, `pip` or `uv`). ConfigError when pods could not run
+    it: checkpoints on a local path, the project nowhere a pod can find it, or Ray's own
+    image (which has no torch) with nothing to install the libraries."""
     if not is_store_uri(cfg.checkpoint.storage_path):
         raise ConfigError(
             f"checkpoint.storage_path={cfg.checkpoint.storage_path!r} is a local path, which "
@@ -75,6 +87,17 @@ def rayjob_manifest(
             "the pods need the project: give --working-dir URI (a zip of it every pod can "
             "read, e.g. s3://BUCKET/trainstack.zip from `git archive -o trainstack.zip "
             "HEAD`) or --image IMAGE (one with it installed)"
+        )
+    if deps == "image" and image is None:
+        raise ConfigError(
+            f"--deps image: Ray's own image ({RAY_IMAGE.format(version=ray_version, gpu='')}) "
+            "has no torch, DeepSpeed or MLflow; give --image IMAGE (one that has them), or "
+            "--deps pip / --deps uv to install them when the job starts"
+        )
+    if deps != "image" and working_dir is None:
+        raise ConfigError(
+            f"--deps {deps} installs trainstack's libraries, not trainstack: give --working-dir "
+            "URI (a zip of the project; --package writes one)"
         )
     s = cfg.scaling
     gpu = "-gpu" if s.use_gpu else ""
@@ -92,6 +115,8 @@ def rayjob_manifest(
     runtime_env: dict[str, Any] = {}
     if working_dir is not None:
         runtime_env["working_dir"] = working_dir
+    if deps != "image":
+        runtime_env.update(dependency_env(deps, ray_version=ray_version, cfg=cfg))
     name = resource_name(cfg.name)
     manifest: dict[str, Any] = {
         "apiVersion": "ray.io/v1",
@@ -221,6 +246,7 @@ def add_k8s_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
     parser.add_argument(
         "--package", default=None, help="also zip this checkout here, to upload as --working-dir"
     )
+    add_deps_argument(parser, image="--image")
     parser.set_defaults(handler=k8s_command)
 
 
@@ -232,6 +258,8 @@ def k8s_command(args: argparse.Namespace) -> int:
         overrides.append(f"checkpoint.storage_path={args.storage}")
     try:
         cfg = load_config(args.config, overrides)
+        if args.deps is None:
+            raise ConfigError(deps_required(command="trainstack k8s"))
         manifest = rayjob_manifest(
             cfg,
             spec=args.config,
@@ -239,6 +267,7 @@ def k8s_command(args: argparse.Namespace) -> int:
             working_dir=args.working_dir,
             image=args.image,
             ray_version=ray.__version__,
+            deps=args.deps,
             namespace=args.namespace,
             secret=args.secret,
             worker_memory=args.worker_memory,

@@ -6,7 +6,13 @@ that the dashboard's Jobs page lists it as `trainstack-<name>-<strategy>-<id>`:
 
     ray start --head --dashboard-host=127.0.0.1
     trainstack submit jobs/configs/demo.yaml --address http://127.0.0.1:8265 \\
-        --set train.steps=100
+        --deps image --set train.steps=100
+
+`--deps` says where the job's libraries (torch, DeepSpeed, MLflow, trainstack itself)
+come from on the cluster: `image` (the cluster's image has them; `trainstack doctor
+--address` checks), or `pip` / `uv` (the job's runtime environment installs them into a
+virtualenv over the image's packages, with Ray pinned to the version the cluster runs,
+and ships this trainstack as a `py_modules` package). Without it nothing is submitted.
 
 It follows the job's log until the job ends (exit 0 when it succeeded, 1 otherwise);
 `--no-wait` returns once the job is submitted. With token authentication on, the
@@ -25,6 +31,7 @@ import uuid
 from typing import Any
 
 from trainstack.config import ConfigError, JobConfig, load_config
+from trainstack.stack import DEPS_CHOICES, dependency, extras_for, job_requirements
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 
@@ -49,16 +56,61 @@ def add_submit_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
         "--summary-json", default=None, help="the job writes its summary here (on the cluster)"
     )
     parser.add_argument("--no-wait", action="store_true", help="return once submitted")
+    add_deps_argument(parser, image="the cluster's image")
     parser.set_defaults(handler=submit_command)
+
+
+def add_deps_argument(parser: argparse.ArgumentParser, *, image: str) -> None:
+    parser.add_argument(
+        "--deps",
+        choices=DEPS_CHOICES,
+        default=None,
+        help=f"where the job's libraries come from: image ({image} has torch, DeepSpeed, "
+        "MLflow and trainstack), or pip / uv (the job's runtime env installs them, Ray "
+        "pinned to the cluster's own)",
+    )
+
+
+def deps_required(*, command: str) -> str:
+    """The one line for a submission that does not say where its libraries come from."""
+    return (
+        f"{command} needs --deps: image (the cluster's image has torch, DeepSpeed, MLflow "
+        "and trainstack; `trainstack doctor --address ADDR` checks), pip or uv (the job's "
+        "runtime env installs them, resolved against the cluster's Ray)"
+    )
+
+
+def dependency_env(deps: str, *, ray_version: str, cfg: JobConfig) -> dict[str, Any]:
+    """The runtime-env entry that installs trainstack's libraries for `cfg` with `deps`
+    (pip or uv) over an image whose Ray is `ray_version`. ConfigError when that Ray is
+    outside trainstack's range."""
+    ray = dependency("ray")
+    if not ray.admits(ray_version):
+        raise ConfigError(
+            f"the cluster runs Ray {ray_version}; trainstack needs {ray.versions}: start the "
+            f"cluster from an image with Ray in that range (its Ray cannot be replaced by a "
+            "job's runtime env)"
+        )
+    extras = extras_for(model_kind=cfg.model.kind, data_kind=cfg.data.kind)
+    return {deps: {"packages": job_requirements(ray_version=ray_version, extras=extras)}}
 
 
 def submit_command(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.deps is None:
+            raise ConfigError(deps_required(command="trainstack submit"))
     except ConfigError as err:
         print(f"trainstack: error: {err}", file=sys.stderr)
         return 2
     address = args.address or os.environ.get("RAY_ADDRESS") or DEFAULT_ADDRESS
+    runtime_env: dict[str, Any] = {"working_dir": args.working_dir}
+    if args.deps != "image":
+        try:
+            runtime_env.update(_bring_dependencies(args.deps, address=address, cfg=cfg))
+        except ConfigError as err:
+            print(f"trainstack: error: {err}", file=sys.stderr)
+            return 2
     from ray.job_submission import JobSubmissionClient
 
     try:
@@ -66,7 +118,7 @@ def submit_command(args: argparse.Namespace) -> int:
         job_id = client.submit_job(
             entrypoint=entrypoint(args.config, args.overrides, summary_json=args.summary_json),
             submission_id=submission_id(cfg),
-            runtime_env={"working_dir": args.working_dir},
+            runtime_env=runtime_env,
             metadata=job_metadata(cfg, spec=args.config),
         )
     except (ConnectionError, RuntimeError, ValueError) as err:
@@ -82,6 +134,28 @@ def submit_command(args: argparse.Namespace) -> int:
     ended = str(getattr(status, "value", status))
     print(f"trainstack: job {job_id} {ended.lower()}")
     return 0 if ended == "SUCCEEDED" else 1
+
+
+def _bring_dependencies(deps: str, *, address: str, cfg: JobConfig) -> dict[str, Any]:
+    """The runtime env's `pip`/`uv` entry, Ray pinned to the version the cluster's head
+    runs (asked by a probe job), and this trainstack as a `py_modules` package."""
+    from pathlib import Path
+
+    from trainstack.cli.probe import ClusterProbeError, head_ray_version, probe_cluster
+
+    try:
+        ray_version = head_ray_version(probe_cluster(address))
+    except ClusterProbeError as err:
+        raise ConfigError(f"asking the cluster at {address} for its Ray version: {err}") from err
+    if ray_version is None:
+        raise ConfigError(f"the cluster at {address} answered with no Ray version")
+    package = Path(__file__).resolve().parents[1]  # platform/trainstack, or site-packages'
+    env = dependency_env(deps, ray_version=ray_version, cfg=cfg)
+    print(
+        f"trainstack: the job's runtime env installs with {deps}, Ray pinned to the cluster's "
+        f"{ray_version}: {' '.join(env[deps]['packages'])}"
+    )
+    return {**env, "py_modules": [str(package)]}
 
 
 def submission_id(cfg: JobConfig) -> str:
