@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import os
 
+from trainstack.compat.ray_private import embedded_ray_cpus
+
 
 def local_cpus() -> float:
     """CPUs an embedded Ray instance started here gets: Ray's own count (which
-    `ray.init` uses: the cgroup quota in a container, else the machine's CPUs)."""
-    try:
-        from ray._private.utils import get_num_cpus
-
-        return float(get_num_cpus())
-    except (ImportError, AttributeError):  # Ray moved it: the CPUs this process may use
-        return float(len(os.sched_getaffinity(0)))
+    `ray.init` uses: the cgroup quota in a container, else the machine's CPUs), or on a
+    Ray that hides it, the CPUs this process may use."""
+    return embedded_ray_cpus()
 
 
 def local_memory_bytes() -> int:

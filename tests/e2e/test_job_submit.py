@@ -28,9 +28,9 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 from ray.util.placement_group import placement_group, placement_group_table
 
 from trainstack import checkpoint as ckpt
+from trainstack.compat.ray_private import own_instance_cleaner_class
 from trainstack.config import config_to_dict, load_config
 from trainstack.runtime.gloo_processes import run_processes
-from trainstack.runtime.launcher import OwnInstanceCleaner
 
 from bounds import assert_trained, max_difference
 from user_shell import BIN, ROOT, run, user_env
@@ -389,13 +389,15 @@ def test_a_runs_placement_group_cleaner_asks_its_own_instance_with_another_on_th
         def ready(self) -> bool:
             return True
 
+    own_instance_cleaner = own_instance_cleaner_class()
+    assert own_instance_cleaner is not None  # this Ray has a cleaner (2.54 on)
     try:
         controller = ray.remote(num_cpus=0)(Controller).remote()
         assert ray.get(controller.ready.remote())
         group = placement_group([{"CPU": 1}])
         ray.get(group.ready())
         cleaner = (
-            ray.remote(num_cpus=0)(OwnInstanceCleaner)
+            ray.remote(num_cpus=0)(own_instance_cleaner)
             .options(lifetime="detached")
             .remote(
                 controller_actor_id=controller._actor_id.hex(),

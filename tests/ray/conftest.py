@@ -17,10 +17,10 @@ def state_api_of_no_other_instance() -> Iterator[None]:
     Ray instance on this machine, which may be another process's (that one does not know
     the controller, and the cleaner ends or removes the live run's placement group).
     trainstack's trainer gives its cleaner its own instance's address
-    (`launcher.OwnInstanceCleaner`); this setting, which wins over that address, keeps
-    any cleaner of a run here from asking anyone, as on a dashboard-less instance alone
-    on the machine: it keeps waiting (these runs end normally, and a run that ends
-    normally removes its group itself).
+    (`compat.ray_private.own_instance_cleaner_class`); this setting, which wins over that
+    address, keeps any cleaner of a run here from asking anyone, as on a dashboard-less
+    instance alone on the machine: it keeps waiting (these runs end normally, and a run
+    that ends normally removes its group itself).
     """
     with socket.socket() as unanswered:
         unanswered.bind(("127.0.0.1", 0))

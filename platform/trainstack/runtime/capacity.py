@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trainstack.compat.ray_private import is_worker_group_start_timeout
 from trainstack.config import ConfigError, JobConfig
 from trainstack.kinds import kind_of, model_kind_of
 from trainstack.machine import local_cpus, local_gpus, local_memory_bytes
@@ -253,10 +254,14 @@ def attempt_timeout_s(cfg: JobConfig) -> float:
 
 
 def is_start_timeout(error: BaseException) -> bool:
-    """Whether Ray Train gave up because the worker group found no room in time."""
-    from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+    """Whether Ray Train gave up because the worker group found no room in time: the
+    failure a `ray.train.ControllerError` carries is Ray Train's start timeout."""
+    return is_worker_group_start_timeout(getattr(error, "controller_failure", None))
 
-    return isinstance(getattr(error, "controller_failure", None), WorkerGroupStartupTimeoutError)
+
+WORKER_GROUP_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+"""Ray Train's setting (its start-timeout error names it) for how long the controller
+waits for a worker group's placement group, in seconds; default 60."""
 
 
 @contextlib.contextmanager
@@ -269,8 +274,7 @@ def worker_group_start_timeout(timeout_s: float) -> Iterator[None]:
     (`FailureConfig(controller_failure_limit=0)`), running out of time ends the run; 0
     keeps Ray's default, a 60 s wait retried forever.
     """
-    from ray.train.v2._internal.constants import WORKER_GROUP_START_TIMEOUT_S_ENV_VAR as name
-
+    name = WORKER_GROUP_START_TIMEOUT_ENV
     if not timeout_s:
         yield
         return

@@ -13,9 +13,9 @@ from typing import Any, ClassVar
 import ray
 import ray.train
 import ray.train.torch
-from ray.train.v2._internal.execution.callback import ControllerCallback
 from ray.util.queue import Empty, Queue
 
+from trainstack.compat.ray_private import start_attempt_callback
 from trainstack.observe.prometheus import RunTelemetry
 from trainstack.observe.tracking import Tracker
 from trainstack.run_events import (
@@ -44,20 +44,26 @@ class FailureWatch(ray.train.UserCallback):
             self.events.put_nowait(Failure(rank=rank, error=said[:300]).to_record())
 
 
-class StartAttemptWatch(ControllerCallback):
-    """Runs in the Train controller: tells the driver each time it starts the worker group
-    (the first start, a restart after a failure, a retry of a start that found no room
-    within `scaling.start_timeout_s`) as a `start_attempt` event, which `on_record` sees."""
+@dataclass(frozen=True)
+class StartAttemptRecorder:
+    """Runs in the Train controller: puts a `start_attempt` event on the queue for each
+    start of the worker group."""
 
-    def __init__(self, events: Queue) -> None:
-        self.events = events
+    events: Queue
 
-    def on_controller_start_worker_group(
-        self, *, scaling_config: Any, num_workers: int
-    ) -> dict[str, str] | None:
+    def __call__(self, workers: int) -> None:
         with contextlib.suppress(Exception):
-            self.events.put_nowait(StartAttempt(workers=num_workers).to_record())
-        return None  # no label selector: the group is placed as the scaling config says
+            self.events.put_nowait(StartAttempt(workers=workers).to_record())
+
+
+def controller_watches(events: Queue) -> list[Any]:
+    """The callbacks the Train controller runs for the driver: `FailureWatch`, and where
+    this Ray's controller has the hook (`compat.ray_private.start_attempt_callback`), one
+    that tells the driver each time it starts the worker group (the first start, a
+    restart after a failure, a retry of a start that found no room within
+    `scaling.start_timeout_s`) as a `start_attempt` event, which `on_record` sees."""
+    start_attempts = start_attempt_callback(StartAttemptRecorder(events))
+    return [FailureWatch(events)] + ([start_attempts] if start_attempts is not None else [])
 
 
 @dataclass(kw_only=True)

@@ -13,8 +13,6 @@ workers die.
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
 import threading
 import time
 import uuid
@@ -25,18 +23,14 @@ from typing import Any
 import ray
 import ray.train
 import ray.train.torch
-from ray.train.torch import TorchTrainer
-from ray.train.v2._internal.callbacks import placement_group_callback
-from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
-from ray.train.v2._internal.callbacks.placement_group_callback import (
-    PlacementGroupCleanerCallback,
-)
-from ray.train.v2._internal.execution.controller.placement_group_cleaner import (
-    PlacementGroupCleaner,
-)
 from ray.util.queue import Queue
 
 from trainstack import checkpoint as ckpt
+from trainstack.compat.ray_private import (
+    quiet_train_report_logs,
+    torch_trainer,
+    train_logging_config,
+)
 from trainstack.config import ConfigError, JobConfig, config_from_dict, config_to_dict
 from trainstack.data.ray_source import ray_datasets, ray_ingest_config
 from trainstack.kinds import data_kind_of, kind_of
@@ -52,7 +46,7 @@ from trainstack.runtime.capacity import (
     worker_group_start_timeout,
 )
 from trainstack.runtime.cluster import connect, dashboard_line, on_this_node, ray_target, worker_env
-from trainstack.runtime.events import FailureWatch, RunFollower, StartAttemptWatch, drain, last_line
+from trainstack.runtime.events import RunFollower, controller_watches, drain, last_line
 from trainstack.runtime.loop import train
 from trainstack.runtime.preflight import preflight
 from trainstack.runtime.progress import ProgressDisplay
@@ -79,77 +73,9 @@ class RayCheckpointStore:
         )
 
 
-class OwnInstanceCleaner(PlacementGroupCleaner):
-    """Ray Train's placement-group cleaner, asking its own Ray instance whether the
-    controller lives.
-
-    The cleaner is a detached actor that removes a worker group's placement group once
-    the run's controller is gone: a sweep's trial stopped early by ASHA takes its
-    controller with it, and the group stays. Ray's asks the state API with no address,
-    which finds "the" Ray instance on the machine: with a `ray start` cluster there too,
-    that cluster (which knows no such controller: the cleaner ends at once, before any
-    group is registered), or with several, an error that ends its watch. Either way a
-    stopped trial's group was never removed: beside a `ray start` cluster, the demo
-    sweep's next trial waited for its CPUs until the sweep was killed minutes later.
-    Given its own instance's address, the answer is about its own controller. A
-    state-API address the environment names still wins (tests/ray's conftest names one).
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
-        super().__init__(*args, **kwargs)
-
-
-class _OwnInstanceCleanerCallback(PlacementGroupCleanerCallback):
-    """Ray Train's callback that starts the cleaner, starting `OwnInstanceCleaner`."""
-
-    def after_controller_start(self, train_run_context: Any) -> None:
-        # The callback builds the actor from its module's global, in the controller's
-        # process (its own for each run).
-        placement_group_callback.PlacementGroupCleaner = OwnInstanceCleaner  # type: ignore[misc]
-        super().after_controller_start(train_run_context)
-
-
-class _Trainer(TorchTrainer):
-    """Ray Train's `TorchTrainer`, less the helper actors a run has no use for, and with
-    a placement-group cleaner that asks its own instance (`OwnInstanceCleaner`).
-
-    - Its Ray Data hand-off, when the run streams none. Train V2 starts a dataset-manager
-      actor at every worker-group start, datasets or not (a process that imports Ray
-      Data: about 1.5 s of CPU), and hands each worker Ray Data's context. A run that
-      reads its own shards uses neither.
-    - The cleaner, on an `embedded` instance (one this run started, and shuts down when
-      the fit returns): the group ends with the instance, so there is nothing to clean.
-    """
-
-    def __init__(self, *args: Any, embedded: bool, **kwargs: Any) -> None:
-        self._embedded = embedded
-        super().__init__(*args, **kwargs)
-
-    def _create_default_callbacks(self) -> list[Any]:
-        callbacks: list[Any] = []
-        for callback in super()._create_default_callbacks():  # type: ignore[misc]  # V2
-            if isinstance(callback, DatasetsCallback) and not self.datasets:
-                continue
-            if isinstance(callback, PlacementGroupCleanerCallback):
-                if self._embedded:
-                    continue
-                callback = _OwnInstanceCleanerCallback()
-            callbacks.append(callback)
-        return callbacks
-
-
-def _quiet_report_logs() -> None:
-    """Ray Train logs every report() at INFO, metrics and all, under loggers named by
-    file path (outside `ray.train`'s level setting); rank 0's progress says it better."""
-    from ray.train.v2._internal.execution import context
-
-    logging.getLogger(context.__file__).setLevel(logging.WARNING)
-
-
 def _train_worker(loop_config: dict[str, Any]) -> None:
     """Body of each Ray Train worker actor."""
-    _quiet_report_logs()
+    quiet_train_report_logs()  # rank 0's progress says what Ray Train's report lines would
     cfg = config_from_dict(loop_config["spec"])
     context = ray.train.get_context()
     ctx = WorkerContext(
@@ -260,13 +186,7 @@ def run_job(
             "scheduling_strategy": on_this_node(),
         }
     )
-    s = cfg.scaling
-    resources: dict[str, float] = {"CPU": s.cpus_per_worker, **s.resources_per_worker}
-    if s.use_gpu:
-        resources["GPU"] = 1
-    # Elastic: Ray Train starts with as many as fit (at least min) and resizes the group.
-    workers = (s.min_workers, s.num_workers) if s.elastic else s.num_workers
-    trainer = _Trainer(
+    trainer = torch_trainer(  # less the helper actors the run has no use for
         embedded=started_local,
         train_loop_per_worker=_train_worker,
         datasets=datasets,
@@ -278,19 +198,14 @@ def run_job(
             "checkpoints": str(checkpoints),
             "resume_from": str(resume_from) if resume_from else None,
         },
-        scaling_config=ray.train.ScalingConfig(  # type: ignore[call-arg]  # V2's, typed as AIR's
-            num_workers=workers,  # type: ignore[arg-type]
-            use_gpu=s.use_gpu,
-            resources_per_worker=resources,
-            elastic_resize_monitor_interval_s=s.resize_check_s,
-        ),
-        run_config=ray.train.RunConfig(
+        scaling_config=_scaling_config(cfg),
+        run_config=ray.train.RunConfig(  # type: ignore[call-arg]  # Train V2's, typed as AIR's
             name=cfg.name,
             **_ray_storage(cfg, checkpoints),
             failure_config=_failure_config(cfg),
-            callbacks=[FailureWatch(events), StartAttemptWatch(events)],  # type: ignore[list-item]
-            logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # type: ignore[call-arg]
+            callbacks=controller_watches(events),
             worker_runtime_env={"env_vars": worker_env(cfg)},
+            **_quiet_driver_logs(),
         ),
     )
     outcome: dict[str, Any] = {}
@@ -341,6 +256,31 @@ def run_job(
     )
     tracker.finish(summary, failed=False)
     return summary
+
+
+def _scaling_config(cfg: JobConfig) -> ray.train.ScalingConfig:
+    """One worker actor per rank with its CPUs, GPU and custom resources. Elastic: Ray
+    Train starts with as many as fit (at least `min_workers`) and resizes the group,
+    looking for room every `scaling.resize_check_s` (Ray 2.55 on: pre-flight refuses it
+    before)."""
+    s = cfg.scaling
+    resources: dict[str, float] = {"CPU": s.cpus_per_worker, **s.resources_per_worker}
+    if s.use_gpu:
+        resources["GPU"] = 1
+    workers: dict[str, Any] = {"num_workers": s.num_workers}
+    if s.elastic:
+        workers = {
+            "num_workers": (s.min_workers, s.num_workers),
+            "elastic_resize_monitor_interval_s": s.resize_check_s,
+        }
+    return ray.train.ScalingConfig(use_gpu=s.use_gpu, resources_per_worker=resources, **workers)
+
+
+def _quiet_driver_logs() -> dict[str, Any]:
+    """Ray Train's own log level WARNING, where this Ray has `ray.train.LoggingConfig`
+    (2.56 on; before, its default)."""
+    logging_config = train_logging_config()
+    return {} if logging_config is None else {"logging_config": logging_config(log_level="WARNING")}
 
 
 def _ray_storage(cfg: JobConfig, checkpoints: Location) -> dict[str, Any]:
