@@ -24,6 +24,7 @@ import functools
 import hashlib
 import sys
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -203,16 +204,19 @@ def ray_connected() -> bool:
 
 
 def actor_was_restarted() -> bool:
-    """Whether the Ray actor running this code is a restart after a failure: its restart
-    count in the GCS, looked up by `get_actor_id()`. (`RuntimeContext.
-    was_current_actor_reconstructed` reads the same through the `actor_id` accessor Ray
-    2.60 deprecates, and warns in the job's log each time.)"""
+    """Whether the Ray actor running this code is a restart after a failure (False
+    outside an actor): `RuntimeContext.was_current_actor_reconstructed`, which asks the
+    GCS for the actor's restart count. Ray 2.60 reads it through the `actor_id` accessor
+    it deprecates, which would warn in the job's log each time: that warning is Ray's
+    business, not the job's, and is left out."""
     import ray
-    from ray._private.state import actors
 
-    actor_id = ray.get_runtime_context().get_actor_id()
-    info: dict[str, Any] | None = actors(actor_id=actor_id) if actor_id else None
-    return bool(info) and info is not None and info["NumRestarts"] != 0
+    context = ray.get_runtime_context()
+    if context.get_actor_id() is None:
+        return False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return bool(context.was_current_actor_reconstructed)
 
 
 def _instrument(series: ExportedSeries) -> Any:

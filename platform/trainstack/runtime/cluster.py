@@ -44,16 +44,27 @@ def connect(address: str | None, *, log_to_driver: bool = True) -> bool:
 
 def dashboard_line() -> str:
     """Where to watch the run (call once connected): the Ray dashboard's address and,
-    with token authentication on, how to get past its login."""
-    from ray._private import worker
-    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    with token authentication on, how to get past its login.
 
-    node = worker._global_node
-    url = f"http://{node.webui_url}" if node is not None and node.webui_url else None
-    line = f"Ray dashboard: {url}" if url else "Ray dashboard: not started by this Ray"
-    if url and is_token_auth_enabled():
+    The address is the `RayContext` that `ray.init` returns, asked again of the running
+    instance (`ignore_reinit_error`: it returns the context and starts nothing; it
+    honours `RAY_OVERRIDE_DASHBOARD_URL`). Token authentication is on where
+    `RAY_AUTH_MODE` is `token`: Ray reads only the environment variable, and sets it
+    itself when a new local instance turns authentication on by default.
+    """
+    assert ray.is_initialized(), "dashboard_line() asks the instance this process is connected to"
+    url = ray.init(ignore_reinit_error=True).dashboard_url  # host:port, no scheme
+    if not url:
+        return "Ray dashboard: not started by this Ray"
+    line = f"Ray dashboard: http://{url}"
+    if os.environ.get(RAY_AUTH_MODE_ENV, "").lower() == "token":
         line += " (it asks for the cluster's token: paste what `ray get-auth-token` prints)"
     return line
+
+
+RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
+"""Ray's authentication mode (`token` or `disabled`), documented with token
+authentication; Ray versions without it ignore it."""
 
 
 def ray_target(address: str | None) -> str | None:
@@ -69,6 +80,14 @@ def on_this_node() -> NodeAffinitySchedulingStrategy:
     """Placement beside the driver, for the run's small actors (the event queue): they
     live and die with the driver, never with a worker node that is lost."""
     return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
+def this_node_resource() -> str:
+    """The resource only this process's node has, `node:<its IP>` as `ray.nodes()` lists
+    it (call once connected): what reserves a sliver of it runs beside this process."""
+    node_id = ray.get_runtime_context().get_node_id()
+    node = next(n for n in ray.nodes() if n["NodeID"] == node_id)
+    return f"node:{node['NodeManagerAddress']}"
 
 
 def worker_env(cfg: JobConfig) -> dict[str, str]:

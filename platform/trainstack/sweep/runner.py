@@ -2,7 +2,7 @@
 
 The driver connects to Ray, opens the sweep's MLflow run (each trial's run is nested
 under it), and hands Tune one function trainable per trial (`trial.run_trial`) that
-reserves no CPU of its own (see `tuning.HEAD_NODE`); a trial's workers reserve theirs
+reserves no CPU of its own (see `tuning.NODE_SHARE`); a trial's workers reserve theirs
 when its run starts them, and the sweep runs as many trials at once as the cluster
 holds. Tune keeps the experiment state under `<storage_path>/<name>`, beside each
 trial's checkpoints (`runs/`), so `--resume` restores it without rerunning finished
@@ -34,7 +34,7 @@ from trainstack.observe.tracking import (
     mlflow_tracker,
     resolve_tracking_uri,
 )
-from trainstack.runtime.cluster import connect
+from trainstack.runtime.cluster import connect, this_node_resource
 from trainstack.sweep import tuning
 from trainstack.sweep.results import (
     COMPLETED,
@@ -87,7 +87,7 @@ def run_sweep(
         parent = _open_parent(sweep, concurrent=concurrent)
         plan = TrialPlan(sweep=_trial_sweep(sweep), parent_run_id=parent.run_id)
         trainable = tune.with_resources(
-            tune.with_parameters(run_trial, plan=plan), tuning.trial_resources()
+            tune.with_parameters(run_trial, plan=plan), tuning.trial_resources(this_node_resource())
         )
         total = _trial_count(sweep)
         show = SweepProgress(sweep=sweep, total=total, mode=progress)

@@ -15,13 +15,13 @@ from ray.tune.search.basic_variant import BasicVariantGenerator
 from trainstack.config import ConfigError, JobConfig
 from trainstack.sweep.spec import Dimension, Distribution, SweepConfig, flat_spec
 
-HEAD_NODE = "node:__internal_head__"
-"""Ray's resource on the head node. A trial's driver reserves a sliver of it and no CPU:
-it only drives its run, and a CPU fraction would keep a trial whose workers take every
-CPU of the cluster from starting (2 cores: 0.01 leaves 1.99 for two 1-CPU workers).
-Drivers thus run on the head, next to the sweep's state and a file-based MLflow store;
-the workers they start run anywhere."""
-HEAD_SHARE = 0.001
+NODE_SHARE = 0.001
+"""How much of its node's own resource (`node:<IP>`) a trial's driver reserves, and no
+CPU: it only drives its run, and a CPU fraction would keep a trial whose workers take
+every CPU of the cluster from starting (2 cores: 0.01 leaves 1.99 for two 1-CPU
+workers). The node is the sweep driver's (`trial_resources`), so the trials' drivers run
+next to the sweep's state and a file-based MLflow store; the workers they start run
+anywhere."""
 
 
 def algorithm(sweep: SweepConfig) -> str:
@@ -128,9 +128,11 @@ def max_concurrent(sweep: SweepConfig, cluster: dict[str, float]) -> int:
     return min(fits)
 
 
-def trial_resources() -> dict[str, float]:
-    """What a trial's own process (its driver) reserves; see HEAD_NODE."""
-    return {"CPU": 0, HEAD_NODE: HEAD_SHARE}
+def trial_resources(node_resource: str) -> dict[str, float]:
+    """What a trial's own process (its driver) reserves: a sliver of `node_resource`, the
+    sweep driver's node's own resource (`runtime.cluster.this_node_resource`); see
+    NODE_SHARE."""
+    return {"CPU": 0, node_resource: NODE_SHARE}
 
 
 def _domain(dist: Distribution) -> Any:
