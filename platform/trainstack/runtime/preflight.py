@@ -10,7 +10,9 @@ the model and the task's loss (so an output of the wrong shape is one line here,
 a worker traceback), and the layout fits the model (pipeline layers, parameter-server
 shards). trainstack's own models (gpt, mlp) past `META_BUILD_PARAMS` parameters are
 built on the meta device, for their shapes only: no weights are initialised on the
-driver. Every problem is a `ConfigError`: one line, exit 2, nothing started.
+driver. A spec that asks Ray Train for what the installed Ray lacks (elastic worker
+groups before Ray 2.55) is refused. Every problem is a `ConfigError`: one line, exit 2,
+nothing started.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from torch import nn
 
 from trainstack import checkpoint as ckpt
+from trainstack.compat.ray_private import missing_ray_feature
 from trainstack.config import ConfigError, JobConfig
 from trainstack.data import Source, build_corpus
 from trainstack.data.paths import resolve_data
@@ -56,6 +59,7 @@ class PreflightReport:
 
 def preflight(cfg: JobConfig) -> PreflightReport:
     """Check `cfg` against its model and data on the driver; raise ConfigError."""
+    check_ray_features(cfg)
     check_storage(cfg)
     cfg = resolve_data(cfg)
     corpus = check_data(cfg)
@@ -83,6 +87,17 @@ def preflight(cfg: JobConfig) -> PreflightReport:
         params=num_params(model),
         shapes=ckpt.parameter_shapes(model),
     )
+
+
+def check_ray_features(cfg: JobConfig) -> None:
+    """The installed Ray has what the spec asks of Ray Train beyond trainstack's oldest
+    supported Ray (`compat.ray_private.RAY_FEATURES`): elastic worker groups."""
+    if cfg.scaling.elastic:
+        missing = missing_ray_feature(
+            "elastic_scaling", setting="scaling.min_workers", value=cfg.scaling.min_workers
+        )
+        if missing is not None:
+            raise ConfigError(missing)
 
 
 def check_storage(cfg: JobConfig) -> None:
