@@ -1,14 +1,18 @@
 """`trainstack.compat.ray_private` without a Ray instance: each private route on this
 Ray, and its fallback on a Ray that lacks it (the module hidden from the import system,
 or the name hidden from the module), still doing its job. Also that nothing else in the
-package names a private Ray module, and the public routes that replaced private ones.
+package names a private Ray module, that each feature's release in the table is right
+for this Ray, and the public routes that replaced private ones.
 
-No Ray instance is started: `ray.get_runtime_context()` would join one (another
-process's, if one runs on this machine), so every test that needs it is given a stand-in.
+It runs on any supported Ray: a test of a private route this Ray does not have is
+skipped (its fallback's test still runs). No Ray instance is started:
+`ray.get_runtime_context()` would join one (another process's, if one runs on this
+machine), so every test that needs it is given a stand-in.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import re
@@ -21,24 +25,36 @@ from typing import Any
 import pytest
 import ray
 import ray.train
+from packaging.version import Version
 from ray.train.torch import TorchTrainer
-from ray.train.v2._internal.callbacks import placement_group_callback
-from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
-from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
-from ray.train.v2._internal.execution.callback import ControllerCallback
-from ray.train.v2._internal.execution.controller.placement_group_cleaner import (
-    PlacementGroupCleaner,
-)
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
 from trainstack.compat import ray_private
 from trainstack.config import ConfigError, config_from_dict
 from trainstack.machine import local_cpus
 from trainstack.runtime import cluster, launcher
-from trainstack.runtime.capacity import is_start_timeout
+from trainstack.runtime.capacity import WORKER_GROUP_START_TIMEOUT_ENV, is_start_timeout
 from trainstack.runtime.events import FailureWatch, StartAttemptRecorder, controller_watches
 from trainstack.runtime.preflight import check_ray_features
 from trainstack.sweep.tuning import NODE_SHARE, trial_resources
+
+CALLBACK = "ray.train.v2._internal.execution.callback"
+DATASETS = "ray.train.v2._internal.callbacks.datasets"
+CLEANER_CALLBACK = "ray.train.v2._internal.callbacks.placement_group_callback"
+CLEANER = "ray.train.v2._internal.execution.controller.placement_group_cleaner"
+EXCEPTIONS = "ray.train.v2._internal.exceptions"
+CONSTANTS = "ray.train.v2._internal.constants"
+CONTEXT = "ray.train.v2._internal.execution.context"
+UTILS = "ray._private.utils"
+
+
+def rays(module: str, name: str) -> Any:
+    """Ray's own `module.name`; the test is skipped on a Ray without it."""
+    found = getattr(pytest.importorskip(module), name, None)
+    if found is None:
+        pytest.skip(f"Ray {ray.__version__} has no {module}.{name}")
+    return found
+
 
 PACKAGE = Path(__file__).resolve().parents[2] / "platform" / "trainstack"
 
@@ -104,12 +120,15 @@ def test_importing_the_compat_module_imports_no_ray() -> None:
 
 def test_start_attempts_reach_the_queue_through_the_controllers_hook_after_pickling() -> None:
     events = FakeQueue()
+    controller_callback = rays(CALLBACK, "ControllerCallback")
+    if not hasattr(controller_callback, "on_controller_start_worker_group"):
+        pytest.skip(f"Ray {ray.__version__}'s controller has no start hook")
     recorder = StartAttemptRecorder(events)  # type: ignore[arg-type]
     callback = ray_private.start_attempt_callback(recorder)
-    assert isinstance(callback, ControllerCallback)
+    assert isinstance(callback, controller_callback)
     # Ray sends the callback to the controller's process pickled (its class by value).
     in_controller = ray.cloudpickle.loads(ray.cloudpickle.dumps(callback))
-    assert isinstance(in_controller, ControllerCallback)
+    assert isinstance(in_controller, controller_callback)
     hook = in_controller.on_controller_start_worker_group
     assert hook(scaling_config=None, num_workers=3) is None  # no label selector
     hook(scaling_config=None, num_workers=2)
@@ -124,13 +143,15 @@ def test_without_the_controllers_hook_the_run_has_no_start_attempt_watch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     events = FakeQueue()
-    watches = controller_watches(events)  # type: ignore[arg-type]
-    assert [type(w) for w in watches][:1] == [FailureWatch] and len(watches) == 2
     recorder = StartAttemptRecorder(events)  # type: ignore[arg-type]
-    monkeypatch.delattr(ControllerCallback, "on_controller_start_worker_group")
-    assert ray_private.start_attempt_callback(recorder) is None
-    monkeypatch.undo()
-    hide_module(monkeypatch, "ray.train.v2._internal.execution.callback")
+    controller_callback = getattr(importlib.import_module(CALLBACK), "ControllerCallback", None)
+    if hasattr(controller_callback, "on_controller_start_worker_group"):
+        watches = controller_watches(events)  # type: ignore[arg-type]
+        assert [type(w) for w in watches][:1] == [FailureWatch] and len(watches) == 2
+        monkeypatch.delattr(controller_callback, "on_controller_start_worker_group")
+        assert ray_private.start_attempt_callback(recorder) is None
+        monkeypatch.undo()
+    hide_module(monkeypatch, CALLBACK)
     assert ray_private.start_attempt_callback(recorder) is None
     assert [type(w) for w in controller_watches(events)] == [FailureWatch]  # type: ignore[arg-type]
 
@@ -139,14 +160,15 @@ def test_without_the_controllers_hook_the_run_has_no_start_attempt_watch(
 
 
 def test_a_run_without_datasets_starts_no_dataset_manager_and_embedded_no_cleaner() -> None:
-    rays_cleaner = placement_group_callback.PlacementGroupCleanerCallback
+    datasets_callback = rays(DATASETS, "DatasetsCallback")
+    rays_cleaner = rays(CLEANER_CALLBACK, "PlacementGroupCleanerCallback")
     embedded = callback_types(ray_private.torch_trainer(embedded=True, **trainer_args()))
-    assert not any(issubclass(t, (DatasetsCallback, rays_cleaner)) for t in embedded)
+    assert not any(issubclass(t, (datasets_callback, rays_cleaner)) for t in embedded)
     on_cluster = callback_types(ray_private.torch_trainer(embedded=False, **trainer_args()))
     cleaners = [t for t in on_cluster if issubclass(t, rays_cleaner)]
     assert [t.__name__ for t in cleaners] == ["OwnInstanceCleanerCallback"]
     streams = ray_private.torch_trainer(embedded=True, **trainer_args(datasets={"train": list}))
-    assert DatasetsCallback in callback_types(streams)
+    assert datasets_callback in callback_types(streams)
 
 
 def test_without_the_default_callbacks_hook_the_trainer_is_rays_own(
@@ -160,37 +182,40 @@ def test_without_the_default_callbacks_hook_the_trainer_is_rays_own(
 def test_without_the_cleaner_or_datasets_module_rays_callbacks_stay(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    hide_module(monkeypatch, "ray.train.v2._internal.execution.controller.placement_group_cleaner")
+    datasets_callback = rays(DATASETS, "DatasetsCallback")
+    rays_cleaner = rays(CLEANER_CALLBACK, "PlacementGroupCleanerCallback")
+    hide_module(monkeypatch, CLEANER)
     assert ray_private.own_instance_cleaner_class() is None
     types = callback_types(ray_private.torch_trainer(embedded=False, **trainer_args()))
-    assert placement_group_callback.PlacementGroupCleanerCallback in types
+    assert rays_cleaner in types
     monkeypatch.undo()
-    hide_module(monkeypatch, "ray.train.v2._internal.callbacks.datasets")
+    hide_module(monkeypatch, DATASETS)
     types = callback_types(ray_private.torch_trainer(embedded=True, **trainer_args()))
-    assert DatasetsCallback in types  # not known to be Ray's data hand-off here: it stays
+    assert datasets_callback in types  # not known to be Ray's data hand-off here: it stays
 
 
 def test_the_callback_starts_the_own_instance_cleaner_and_gives_ray_back_its_global(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    rays_cleaner = rays(CLEANER, "PlacementGroupCleaner")
+    module = importlib.import_module(CLEANER_CALLBACK)
     built: list[type] = []
 
     def rays_start(self: Any, train_run_context: Any) -> None:  # what Ray's would build
-        built.append(placement_group_callback.PlacementGroupCleaner)
+        built.append(module.PlacementGroupCleaner)
 
-    monkeypatch.setattr(
-        placement_group_callback.PlacementGroupCleanerCallback, "after_controller_start", rays_start
-    )
+    monkeypatch.setattr(module.PlacementGroupCleanerCallback, "after_controller_start", rays_start)
     callback_class = ray_private._own_instance_cleaner_callback_class()
     assert callback_class is not None
     callback_class().after_controller_start(None)
-    assert built[0].__name__ == "OwnInstanceCleaner" and issubclass(built[0], PlacementGroupCleaner)
-    assert placement_group_callback.PlacementGroupCleaner is PlacementGroupCleaner
+    assert built[0].__name__ == "OwnInstanceCleaner" and issubclass(built[0], rays_cleaner)
+    assert module.PlacementGroupCleaner is rays_cleaner  # Ray's own again after the call
 
 
 def test_the_own_instance_cleaner_asks_its_own_instance_unless_the_environment_names_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    rays(CLEANER, "PlacementGroupCleaner")
     cleaner_class = ray_private.own_instance_cleaner_class()
     assert cleaner_class is not None
     context = SimpleNamespace(gcs_address="10.0.0.7:6379")
@@ -215,11 +240,12 @@ def test_the_own_instance_cleaner_asks_its_own_instance_unless_the_environment_n
 def test_a_start_timeout_is_told_from_other_controller_failures_with_or_without_its_type(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    timed_out = ray.train.ControllerError(WorkerGroupStartupTimeoutError(num_workers=8))
+    timeout_error = rays(EXCEPTIONS, "WorkerGroupStartupTimeoutError")
+    timed_out = ray.train.ControllerError(timeout_error(num_workers=8))
     other = ray.train.ControllerError(RuntimeError("controller died"))
     assert is_start_timeout(timed_out) and not is_start_timeout(other)
     assert not is_start_timeout(ValueError("no controller_failure at all"))
-    hide_module(monkeypatch, "ray.train.v2._internal.exceptions")
+    hide_module(monkeypatch, EXCEPTIONS)
 
     # another Ray's error, known by its type's name alone
     renamed = type("WorkerGroupStartupTimeoutError", (RuntimeError,), {})
@@ -230,14 +256,13 @@ def test_a_start_timeout_is_told_from_other_controller_failures_with_or_without_
 def test_report_lines_are_quieted_where_rays_module_is_and_left_alone_where_not(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from ray.train.v2._internal.execution import context
-
+    context = pytest.importorskip(CONTEXT)
     by_file = logging.getLogger(context.__file__)
     monkeypatch.setattr(by_file, "level", logging.NOTSET)
     assert ray_private.quiet_train_report_logs()
     assert by_file.level == logging.WARNING
     monkeypatch.setattr(by_file, "level", logging.NOTSET)
-    hide_module(monkeypatch, "ray.train.v2._internal.execution.context")
+    hide_module(monkeypatch, CONTEXT)
     assert not ray_private.quiet_train_report_logs()
     assert by_file.level == logging.NOTSET
 
@@ -245,22 +270,31 @@ def test_report_lines_are_quieted_where_rays_module_is_and_left_alone_where_not(
 def test_local_cpus_are_rays_count_or_without_it_the_cpus_this_process_may_use(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from ray._private.utils import get_num_cpus
-
+    get_num_cpus = rays(UTILS, "get_num_cpus")
     assert local_cpus() == float(get_num_cpus())
-    hide_module(monkeypatch, "ray._private.utils")
+    hide_module(monkeypatch, UTILS)
     assert local_cpus() == float(len(os.sched_getaffinity(0)))
 
 
 # --- which features this Ray has -----------------------------------------------------
 
 
-def test_the_pinned_ray_has_every_feature_and_each_says_its_release_and_fallback() -> None:
+def test_this_ray_has_exactly_the_features_whose_release_it_has_reached() -> None:
+    """The table's releases (found in each release's source) hold for the installed Ray:
+    on the pinned top (2.60) every feature is there; on the floor (2.52) the four newer
+    than 2.52 are not."""
     features = ray_private.features()
     assert len({f.name for f in features}) == len(features)
-    assert all(f.available for f in features)  # Ray 2.60, the version pyproject pins
+    installed = Version(ray.__version__).release[:2]
     for feature in features:
         assert re.fullmatch(r"2\.\d+", feature.since) and feature.fallback and feature.uses
+        since = Version(feature.since).release[:2]
+        assert feature.available == (installed >= since), feature.name
+    assert Version(ray_private.RAY_FLOOR) <= Version(ray.__version__)
+
+
+def test_the_start_timeout_setting_trainstack_names_is_the_one_ray_train_reads() -> None:
+    assert rays(CONSTANTS, "WORKER_GROUP_START_TIMEOUT_S_ENV_VAR") == WORKER_GROUP_START_TIMEOUT_ENV
 
 
 def test_elastic_groups_on_a_ray_without_them_are_refused_in_one_line_naming_the_release(
@@ -269,8 +303,9 @@ def test_elastic_groups_on_a_ray_without_them_are_refused_in_one_line_naming_the
     cfg = config_from_dict(
         {"train": {"global_batch_size": 24}, "scaling": {"num_workers": {"min": 2, "max": 4}}}
     )
-    check_ray_features(cfg)  # this Ray has them
-    assert ray_private.missing_ray_feature("elastic_scaling", setting="s", value=1) is None
+    if ray_private.has_elastic_scaling():
+        check_ray_features(cfg)  # this Ray has them
+        assert ray_private.missing_ray_feature("elastic_scaling", setting="s", value=1) is None
 
     class OldScalingConfig:  # Ray 2.54's: no elastic arguments
         def __init__(self, *, num_workers: int = 1, use_gpu: bool = False) -> None: ...
@@ -289,8 +324,9 @@ def test_elastic_groups_on_a_ray_without_them_are_refused_in_one_line_naming_the
 def test_without_train_logging_config_the_run_keeps_ray_trains_default_level(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert launcher._quiet_driver_logs()["logging_config"].log_level == "WARNING"
-    monkeypatch.delattr(ray.train, "LoggingConfig")
+    if hasattr(ray.train, "LoggingConfig"):  # Ray 2.56 on
+        assert launcher._quiet_driver_logs()["logging_config"].log_level == "WARNING"
+        monkeypatch.delattr(ray.train, "LoggingConfig")
     assert launcher._quiet_driver_logs() == {}
 
 

@@ -47,8 +47,9 @@ if TYPE_CHECKING:
     from ray.train.torch import TorchTrainer
 
 RAY_FLOOR = "2.52"
-"""The oldest Ray release trainstack runs on: Train V2 on by default, `FailureConfig(
-controller_failure_limit=...)` and `ray.train.ControllerError`."""
+"""The oldest Ray release trainstack runs on: Train V2 on by default (2.50 and 2.51 have
+`FailureConfig(controller_failure_limit=...)` and `ray.train.ControllerError` too, but
+only with `RAY_TRAIN_V2_ENABLED=1` in every process)."""
 
 _CALLBACK = "ray.train.v2._internal.execution.callback"
 _DATASETS_CALLBACK = "ray.train.v2._internal.callbacks.datasets"
@@ -294,7 +295,7 @@ def _has_default_callbacks_hook() -> bool:
 RAY_FEATURES: tuple[RayFeature, ...] = (
     RayFeature(
         name="elastic_scaling",
-        uses="scaling.elastic: ScalingConfig(num_workers=(min, max)), resized as room comes",
+        uses="elastic worker groups: ScalingConfig(num_workers=(min, max))",
         since="2.55",
         private=False,
         fallback="refused by pre-flight",
