@@ -322,7 +322,7 @@ RAY_FEATURES: tuple[RayFeature, ...] = (
         uses="no dataset-manager actor for a run that streams no Ray Data",
         since="2.54",
         private=True,
-        fallback="a dataset-manager actor at each worker-group start",
+        fallback="Ray's default callbacks (2.54 on: a dataset-manager actor per group start)",
         check=lambda: (
             _has_default_callbacks_hook()
             and _private(_DATASETS_CALLBACK, "DatasetsCallback") is not None
@@ -333,7 +333,7 @@ RAY_FEATURES: tuple[RayFeature, ...] = (
         uses="the placement-group cleaner asks its own Ray instance (none when embedded)",
         since="2.54",
         private=True,
-        fallback="Ray's cleaner, which asks the machine's one Ray instance (none before 2.54)",
+        fallback="Ray's own cleaner where it has one (2.54 on), asking the machine's Ray",
         check=lambda: (
             _has_default_callbacks_hook() and _own_instance_cleaner_callback_class() is not None
         ),
