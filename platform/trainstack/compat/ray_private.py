@@ -21,8 +21,10 @@ every supported release, slower or less informative:
 - `embedded_ray_cpus`: the CPUs `ray.init` gives a local instance (the cgroup quota in
   a container); without it, the CPUs this process may use.
 
-`RAY_FEATURES` lists these and the public features newer than the oldest supported
-release (`RAY_FLOOR`), each with the release that brought it, what trainstack does
+`RAY_FEATURES` lists these and the public features newer than the oldest Ray release
+trainstack supports (`trainstack.stack` holds the range; 2.51 is the oldest that runs
+it: Train V2 on by default, `FailureConfig(controller_failure_limit=...)`,
+`ray.train.ControllerError`), each with the release that brought it, what trainstack does
 without it, and whether the installed Ray has it (`features()`, which `trainstack
 doctor` prints); `missing_ray_feature` is pre-flight's one line refusing a feature the
 installed Ray cannot give, naming the release it needs.
@@ -45,11 +47,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ray.train.torch import TorchTrainer
-
-RAY_FLOOR = "2.52"
-"""The oldest Ray release trainstack runs on: Train V2 on by default (2.50 and 2.51 have
-`FailureConfig(controller_failure_limit=...)` and `ray.train.ControllerError` too, but
-only with `RAY_TRAIN_V2_ENABLED=1` in every process)."""
 
 _CALLBACK = "ray.train.v2._internal.execution.callback"
 _DATASETS_CALLBACK = "ray.train.v2._internal.callbacks.datasets"
@@ -363,7 +360,8 @@ RAY_FEATURES: tuple[RayFeature, ...] = (
         check=lambda: _private(_RAY_UTILS, "get_num_cpus") is not None,
     ),
 )
-"""Every feature trainstack uses that the floor (`RAY_FLOOR`) lacks or reaches privately."""
+"""Every feature trainstack uses that the oldest supported Ray lacks or that it reaches
+privately."""
 
 
 def features() -> list[RayFeature]:
