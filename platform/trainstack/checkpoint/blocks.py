@@ -19,11 +19,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, MutableMapping, MutableSequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard, _StridedShardOffsetMode
+
+from trainstack.compat.torch_private import strided_split_factor
 
 Block = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 """(offsets in the whole tensor, sizes, offsets in the local part)."""
@@ -31,24 +32,56 @@ Block = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
 def held_indices(tensor: DTensor) -> list[torch.Tensor]:
     """For each dimension of `tensor`, the indices of the whole tensor this rank's local
-    part holds along it, in the local part's order (torch's own arithmetic for `Shard`
-    and `_StridedShard`, applied left to right over the mesh as DTensor does)."""
+    part holds along it, in the local part's order: each `Shard` and strided shard
+    applied left to right over the mesh, as DTensor does (`shard_positions`,
+    `strided_shard_positions`)."""
     coordinate = tensor.device_mesh.get_coordinate()
     assert coordinate is not None, "this rank holds part of the tensor"
     indices = [torch.arange(n) for n in tensor.shape]
     for mesh_dim, placement in enumerate(tensor.placements):
         chunks, rank = tensor.device_mesh.size(mesh_dim), coordinate[mesh_dim]
-        if isinstance(placement, _StridedShard):
-            held = indices[placement.dim]
-            _, offsets = placement.local_shard_size_and_offset(
-                len(held), chunks, rank, offset_mode=_StridedShardOffsetMode.ALL
-            )
-            indices[placement.dim] = held[torch.tensor(offsets, dtype=torch.long)]
-        elif isinstance(placement, Shard):
-            held = indices[placement.dim]
-            size, start = Shard.local_shard_size_and_offset(len(held), chunks, rank)
-            indices[placement.dim] = held[start : start + size]
+        split_factor = strided_split_factor(placement)
+        if split_factor is None and not isinstance(placement, Shard):
+            continue
+        dim = cast(Shard, placement).dim
+        held = indices[dim]
+        if split_factor is not None:
+            positions = strided_shard_positions(len(held), chunks, rank, split_factor=split_factor)
+        else:
+            positions = shard_positions(len(held), chunks, rank)
+        indices[dim] = held[torch.tensor(positions, dtype=torch.long)]
     return indices
+
+
+def chunk_span(size: int, chunks: int, index: int) -> tuple[int, int]:
+    """Piece `index` of `size` elements cut into `chunks` as `torch.chunk` cuts them
+    (pieces of ceil(size / chunks), the last ones short or empty): (start, length)."""
+    step = -(-size // chunks)
+    start = min(step * index, size)
+    return start, min(step * (index + 1), size) - start
+
+
+def shard_positions(size: int, chunks: int, rank: int) -> list[int]:
+    """The positions along a dimension of `size` that `Shard` over `chunks` ranks leaves
+    rank `rank`."""
+    start, length = chunk_span(size, chunks, rank)
+    return list(range(start, start + length))
+
+
+def strided_shard_positions(size: int, chunks: int, rank: int, *, split_factor: int) -> list[int]:
+    """The positions along a dimension of `size` that a strided shard over `chunks` ranks
+    leaves rank `rank`: the dimension cut into `split_factor` pieces, each cut over the
+    ranks, the rank's part of every piece in turn (DTensor's layout since torch 2.10;
+    torch 2.5 to 2.9 cut it into split_factor x chunks pieces, which is the same
+    wherever that product divides `size`, as every strided shard trainstack makes does).
+    torch's `_StridedShard.local_shard_size_and_offset` gives the same positions where
+    it can (tests/unit/test_torch_private.py); computed here, no torch version needs it."""
+    positions: list[int] = []
+    for piece in range(split_factor):
+        first, length = chunk_span(size, split_factor, piece)
+        start, count = chunk_span(length, chunks, rank)
+        positions += range(first + start, first + start + count)
+    return positions
 
 
 def local_blocks(tensor: DTensor) -> list[Block]:
@@ -88,7 +121,7 @@ class LocalBlocks(torch.Tensor):
 
     @staticmethod
     def of(tensor: DTensor, blocks: list[Block]) -> LocalBlocks:
-        local = torch.Tensor._make_subclass(LocalBlocks, tensor.to_local().detach())
+        local = cast(LocalBlocks, tensor.to_local().detach().as_subclass(LocalBlocks))
         local.blocks = blocks
         local.whole = tensor.shape
         return local
@@ -147,8 +180,8 @@ class LocalBlocks(torch.Tensor):
 
 
 def _several_blocks(value: Any) -> list[Block] | None:
-    if not isinstance(value, DTensor) or not any(
-        isinstance(p, _StridedShard) for p in value.placements
+    if not isinstance(value, DTensor) or all(
+        strided_split_factor(p) is None for p in value.placements
     ):
         return None
     blocks = local_blocks(value)

@@ -21,46 +21,61 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
 )
 
+from trainstack.compat import torch_private
 from trainstack.data.sharding import Batch
 from trainstack.models.on_meta import has_meta_parameters
 from trainstack.tasks import Task
 
 
 def _cpu_attention(q: Any, k: Any, v: Any, *args: Any, out_shape: Any = None, **kw: Any) -> int:
-    return int(sdpa_flop_count(q, k, v))
+    return int(sdpa_flop_count(q, *_query_heads(q, k, v)))
 
 
 def _cpu_attention_backward(
     grad_out: Any, q: Any, k: Any, v: Any, *args: Any, out_shape: Any = None, **kw: Any
 ) -> int:
-    return int(sdpa_backward_flop_count(grad_out, q, k, v))
+    return int(sdpa_backward_flop_count(grad_out, q, *_query_heads(q, k, v)))
 
 
-_aten = torch.ops.aten
-CPU_ATTENTION_FORMULAS = {
-    _aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention,
-    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward,
-}
-"""torch counts its GPU attention kernels; the CPU kernel takes the same formulas
-(arguments are tensor shapes: FlopCounterMode passes shapes to custom formulas)."""
+def _query_heads(q: Any, *shapes: Any) -> list[tuple[int, ...]]:
+    """Key and value shapes [B, H, T, D] with the query's heads: grouped-query attention
+    shares each key/value head between several query heads, and the kernel computes
+    every query head's scores (torch's formulas do so themselves from 2.12 on)."""
+    return [(*shape[:-3], q[-3], *shape[-2:]) for shape in shapes]
+
+
+def cpu_attention_formulas() -> dict[Any, Any]:
+    """torch counts its GPU attention kernels; the CPU kernel takes the same formulas
+    (arguments are tensor shapes: FlopCounterMode passes shapes to custom formulas).
+    Empty where torch names that kernel otherwise (`torch_private.cpu_attention_ops`):
+    attention's FLOPs on CPU are then left out."""
+    ops = torch_private.cpu_attention_ops()
+    if ops is None:
+        return {}
+    forward, backward = ops
+    return {forward: _cpu_attention, backward: _cpu_attention_backward}
 
 
 def count_training_flops(model: nn.Module, batch: Batch, *, task: Task) -> int:
     """FLOPs of one forward + backward pass of `model` on `batch` (all its samples). A
     model whose parameters are on the meta device (a pretrained one read rank by rank)
     is counted on a copy of fake tensors: shapes alone, no storage (transformers skips
-    its data-dependent checks on fake tensors, which meta ones fail)."""
+    its data-dependent checks on fake tensors, which meta ones fail); where torch has no
+    fake tensors (`torch_private.fake_tensor_mode`), estimated as 6 FLOPs per parameter
+    and target (token, or sample for `classify`): a dense model's forward and backward."""
     if has_meta_parameters(model):
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
+        fake = torch_private.fake_tensor_mode()
+        if fake is None:
+            _, targets = batch
+            return 6 * sum(p.numel() for p in model.parameters()) * targets.numel()
         twin = copy.deepcopy(model)
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with fake:
             return count_training_flops(twin.to_empty(device="cpu"), batch, task=task)
     inputs, targets = batch
     saved_grads = {p: p.grad for p in model.parameters()}
     with (
         torch.random.fork_rng(devices=[]),
-        FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FORMULAS) as counter,
+        FlopCounterMode(display=False, custom_mapping=cpu_attention_formulas()) as counter,
     ):
         loss = task.loss(task.outputs(model, inputs, targets), targets, inputs=inputs)
         loss.backward()

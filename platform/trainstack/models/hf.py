@@ -95,7 +95,8 @@ class HFCausalLM(nn.Module):
 
     def __init__(self, hf_model: nn.Module, *, family: str) -> None:
         super().__init__()
-        assert not hf_model._parameters and not hf_model._buffers, "HF keeps state in children"
+        own_state = [*hf_model.parameters(recurse=False), *hf_model.buffers(recurse=False)]
+        assert not own_state, "HF keeps state in children"
         for name, child in hf_model.named_children():
             self.add_module(name, child)
         self.config: Any = getattr(hf_model, "config")  # noqa: B009

@@ -6,16 +6,20 @@ all-gathers and reduce-scatters, DDP-style all-reduces) and every functional col
 backend, and it adds the bytes a ring implementation of that collective sends from
 this rank: all-gather (n-1) × input, reduce-scatter (n-1)/n × input, all-reduce
 2(n-1)/n × the buffer, for a group of n ranks. A dispatch mode sees every operator, so
-strategies count one step with it, not every step.
+strategies count one step with it, not every step. Where torch offers no dispatch mode
+(`torch_private.collective_dispatch_mode`), nothing is counted (`counting` is False)
+and strategies model their bytes instead.
 """
 
 from __future__ import annotations
 
+from types import TracebackType
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from trainstack.compat import torch_private
 
 
 def _nbytes(tensors: Any) -> int:
@@ -34,9 +38,7 @@ def _group_size(group: Any) -> int:
     """A collective's group size: a ProcessGroup as the dispatcher passes it (boxed, c10d
     ops) or a group name (functional collectives)."""
     if isinstance(group, str):
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        return int(_resolve_process_group(group).size())  # type: ignore[arg-type]
+        return torch_private.group_size_by_name(group)
     if not isinstance(group, dist.ProcessGroup):
         group = dist.ProcessGroup.unbox(group)
     return int(group.size())
@@ -76,18 +78,30 @@ def _bytes_sent(name: str, args: tuple[Any, ...]) -> int | None:
     return None
 
 
-class CollectiveBytes(TorchDispatchMode):
-    """Adds up the bytes this rank sends in the collectives run while it is active."""
+class CollectiveBytes:
+    """Adds up the bytes this rank sends in the collectives run while it is active (a
+    context manager; `counting` says whether this torch lets it see them)."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.sent = 0
+        self._mode = torch_private.collective_dispatch_mode(self._saw)
+        self.counting = self._mode is not None
 
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        name = f"{func.namespace}.{func.__name__.split('.')[0]}"
+    def _saw(self, name: str, args: tuple[Any, ...]) -> None:
         sent = _bytes_sent(name, args)
         if sent is not None:
             self.sent += sent
-        return func(*args, **(kwargs or {}))
+
+    def __enter__(self) -> CollectiveBytes:
+        if self._mode is not None:
+            self._mode.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(kind, error, traceback)

@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainstack.checkpoint import Checkpoint, rank_file
+from trainstack.compat import torch_private
 from trainstack.compression import CompressionState, register_compression
 from trainstack.compression.state import moments_on_ranks, optimizer_config
 from trainstack.config import JobConfig
@@ -76,16 +77,16 @@ class DDPStrategy:
     def setup(self, model: nn.Module) -> None:
         model.to(self.ctx.device)
         apply_compile(self.cfg, model)
-        if self.cfg.strategy.expert_parallel > 1:
-            self._split_experts(model)
+        experts = self._split_experts(model) if self.cfg.strategy.expert_parallel > 1 else []
         if self.ctx.is_distributed:
             device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
-            model = DistributedDataParallel(
-                model,
-                device_ids=device_ids,
-                bucket_cap_mb=self.cfg.strategy.bucket_cap_mb,
-                gradient_as_bucket_view=self.cfg.strategy.gradient_as_bucket_view,
-            )
+            with torch_private.hidden_from_ddp(model, experts):
+                model = DistributedDataParallel(
+                    model,
+                    device_ids=device_ids,
+                    bucket_cap_mb=self.cfg.strategy.bucket_cap_mb,
+                    gradient_as_bucket_view=self.cfg.strategy.gradient_as_bucket_view,
+                )
         if isinstance(model, DistributedDataParallel) and self.cfg.strategy.allreduce != "flat":
             self._choose_levels(model)
             if self.hierarchy is not None:
@@ -126,8 +127,9 @@ class DDPStrategy:
             compressed=self.cfg.compression.kind != "none",
         )
 
-    def _split_experts(self, model: nn.Module) -> None:
-        """Keep this rank's experts, hidden from DDP (their gradients are reduced apart)."""
+    def _split_experts(self, model: nn.Module) -> list[str]:
+        """Keep this rank's experts; their names, which DDP is to leave alone (their
+        gradients are reduced apart)."""
         self.experts = ExpertParallel(
             size=self.cfg.strategy.expert_parallel,
             rank=self.ctx.rank,
@@ -138,7 +140,7 @@ class DDPStrategy:
         self._expert_params = [params[name] for name in names]
         experts = set(names)
         self._dense_params = [p for name, p in params.items() if name not in experts]
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+        return names
 
     def unwrapped_model(self) -> nn.Module:
         if isinstance(self.model, DistributedDataParallel):

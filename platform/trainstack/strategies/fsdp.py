@@ -169,7 +169,8 @@ class FSDPStrategy:
             return self._step(micro_batches)
         with CollectiveBytes() as counter:
             out = self._step(micro_batches)
-        self._counted_bytes = counter.sent
+        # a torch that cannot count them: the modelled bytes, once
+        self._counted_bytes = counter.sent if counter.counting else self._modelled_comm_bytes()
         return out
 
     def _step(self, micro_batches: list[Batch]) -> StepOutput:

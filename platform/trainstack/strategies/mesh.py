@@ -6,6 +6,7 @@ tensor parallelism splits layers over `tp`; a pipeline's stages lie along `pp`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -46,9 +47,28 @@ def build_mesh(dims: ParallelDims, *, device_type: str) -> DeviceMesh:
 def build_meshes(dims: ParallelDims, *, device_type: str) -> Meshes:
     """The sub-meshes an fsdp layout uses (a collective: every rank runs it)."""
     mesh = build_mesh(dims, device_type=device_type)
-    dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    fsdp = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
-    return Meshes(tp=mesh["tp"], fsdp=fsdp, data_parallel_group=dp.get_group())
+    if dims.dp_replicate > 1:
+        fsdp = mesh["dp_replicate", "dp_shard"]
+        data_parallel_group = flattened_group(mesh, ("dp_replicate", "dp_shard"))
+    else:
+        fsdp = mesh["dp_shard"]
+        data_parallel_group = fsdp.get_group()
+    return Meshes(tp=mesh["tp"], fsdp=fsdp, data_parallel_group=data_parallel_group)
+
+
+def flattened_group(mesh: DeviceMesh, names: tuple[str, ...]) -> dist.ProcessGroup:
+    """The process group over this rank's slice of `mesh` along the dimensions `names`,
+    flattened (the ranks that share every other coordinate), from the mesh's own grid of
+    ranks: what torch's private `DeviceMesh._flatten` gives. A collective: every rank
+    creates every such group, in the same order."""
+    assert mesh.mesh_dim_names is not None, "build_mesh names every dimension"
+    dims = [mesh.mesh_dim_names.index(name) for name in names]
+    others = [d for d in range(mesh.ndim) if d not in dims]
+    size = math.prod(mesh.size(d) for d in dims)
+    slices = mesh.mesh.permute(*others, *dims).reshape(-1, size)
+    group, _ = dist.new_subgroups_by_enumeration(slices.tolist())
+    assert group is not None, "every rank of the mesh is in one slice"
+    return group
 
 
 def finish_pending_sums(params: Iterable[nn.Parameter]) -> None:

@@ -89,7 +89,12 @@ from trainstack.strategies.dtensor_state import (
     place_like_parameters,
     whole,
 )
-from trainstack.strategies.mesh import build_mesh, finish_pending_sums, squared_norm
+from trainstack.strategies.mesh import (
+    build_mesh,
+    finish_pending_sums,
+    flattened_group,
+    squared_norm,
+)
 from trainstack.strategies.named_optimizer_state import optimizer_order, restore_optimizer_by_name
 from trainstack.strategies.pipeline_probe import (
     BoundaryMeter,
@@ -117,7 +122,9 @@ from trainstack.strategies.pretrained_parts import materialise, place, read_pret
 from trainstack.strategies.tensor_parallel import apply_tensor_parallel_to_layers
 from trainstack.tasks import EvalSums, build_task, eval_mode, evaluate
 
-SCHEDULES: dict[str, tuple[Callable[..., schedules._PipelineSchedule], str]] = {
+Schedule = schedules.PipelineScheduleSingle | schedules.PipelineScheduleMulti
+
+SCHEDULES: dict[str, tuple[Callable[..., Schedule], str]] = {
     "gpipe": (schedules.ScheduleGPipe, "loop"),
     "1f1b": (schedules.Schedule1F1B, "loop"),
     "interleaved": (schedules.ScheduleInterleaved1F1B, "loop"),
@@ -175,7 +182,7 @@ class PipelineStrategy:
         """The whole model's parameter names in the order a DDP optimizer indexes them."""
         self._uncounted: set[int] = set()
         """ids of this rank's tied copies that the grad norm skips (counted elsewhere)."""
-        self.schedule: schedules._PipelineSchedule | None = None
+        self.schedule: Schedule | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.split_description = ""
@@ -197,7 +204,11 @@ class PipelineStrategy:
         # FSDP shards over dp_shard and replicates over dp_replicate (HSDP when r > 1);
         # replica averages and maxima run over both, flattened.
         self.dp_mesh = mesh["dp_replicate", "dp_shard"] if r > 1 else mesh["dp_shard"]
-        self.dp_group = (self.dp_mesh._flatten("dp") if r > 1 else self.dp_mesh).get_group()
+        self.dp_group = (
+            flattened_group(mesh, ("dp_replicate", "dp_shard"))
+            if r > 1
+            else self.dp_mesh.get_group()
+        )
         at = self.dims.rank
         for ranks in dict.fromkeys(self._tie_ranks(tie) for tie in ties):
             if len(ranks) == 1:

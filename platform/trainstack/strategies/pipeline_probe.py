@@ -25,6 +25,8 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
+from trainstack.compat import torch_private
+
 
 class SavedActivationMeter:
     """Live and peak bytes of the tensors autograd keeps for backward.
@@ -133,31 +135,19 @@ def first_replica_figures(
     return replica0, bubbles
 
 
-class ProbedStage(PipelineStage):
+class ProbedStage(torch_private.ShapeInferenceLeavesNoTrace, PipelineStage):
     """A `PipelineStage` that adds up its compute seconds and meters its activations.
 
     At the first step torch infers the shapes passed between stages with one real
-    forward (on empty tensors past the first stage) and backward, with the random
-    generators forked; the stage's buffers (batch-norm statistics) are put back as they
-    were before it once that is done.
+    forward (on empty tensors past the first stage, and a backward since torch 2.12);
+    the stage's buffers (batch-norm statistics) and the random generators are as they
+    were before it once that is done (`torch_private.ShapeInferenceLeavesNoTrace`).
     """
 
     def __init__(self, *args: Any, meter: SavedActivationMeter, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.meter = meter
         self.busy_s = 0.0
-        self._buffers_before_inference: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
-        self._buffers_before_inference = [(b, b.clone()) for b in self.submod.buffers()]
-        return super()._forward_metadata_inference(*args, **kwargs)
-
-    def _post_metadata_inference_cleanup(self) -> None:
-        super()._post_metadata_inference_cleanup()
-        with torch.no_grad():
-            for buffer, value in self._buffers_before_inference:
-                buffer.copy_(value)
-        self._buffers_before_inference = []
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()

@@ -39,7 +39,6 @@ sizes on the built model (`check_tensor_parallel`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
@@ -61,8 +60,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from trainstack.compat import torch_private
 from trainstack.config import ConfigError, JobConfig
 from trainstack.models.gpt import GPT, Block, GPTEmbedding, GPTHead
 from trainstack.models.hf import HFCausalLM
@@ -161,7 +160,7 @@ class ExpertsParallel(ParallelStyle):
     the layers before get a whole one."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for name, placement in EXPERTS_PLACEMENTS.items():
+        for name, placement in experts_placements().items():
             param = module.get_parameter(name)
             shards = distribute_tensor(
                 param, device_mesh, [placement], src_data_rank=self.src_data_rank
@@ -187,8 +186,15 @@ class ExpertsParallel(ParallelStyle):
         return module
 
 
-EXPERTS_PLACEMENTS = {"gate_up_proj": _StridedShard(1, split_factor=2), "down_proj": Shard(2)}
-"""How `ExpertsParallel` places the stacked experts' parameters over `tp`."""
+def experts_placements() -> dict[str, Any]:
+    """How `ExpertsParallel` places the stacked experts' parameters over `tp` (a strided
+    shard: `torch_private.strided_shard`, which pre-flight checks torch has)."""
+    return {
+        "gate_up_proj": torch_private.strided_shard(1, split_factor=2),
+        "down_proj": Shard(2),
+    }
+
+
 EXPERTS_PARAMETER_STYLES = {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
 """What a `moe_tp_experts` plan says of the experts' two parameters: the split above."""
 
@@ -224,17 +230,15 @@ class _SumOutput(torch.autograd.Function):
         return grad, None
 
 
-@contextlib.contextmanager
-def _local_parameters(module: nn.Module) -> Iterator[None]:
+def _local_parameters(module: nn.Module) -> contextlib.AbstractContextManager[None]:
     """Inside, `module`'s DTensor parameters read as their local parts (through
     `to_local`, so their gradients reach the DTensors)."""
-    held = {n: p for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
-    for name, param in held.items():
-        module._parameters[name] = param.to_local()  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        module._parameters.update(held)
+    local = {
+        name: param.to_local()
+        for name, param in module.named_parameters(recurse=False)
+        if isinstance(param, DTensor)
+    }
+    return torch_private.parameters_replaced(module, local)
 
 
 HF_STYLES: dict[str, Any] = {
@@ -319,6 +323,14 @@ def check_tensor_parallel(model: nn.Module, degree: int) -> None:
         for key in ("num_attention_heads", "num_key_value_heads"):
             if heads := getattr(model.config, key, None):
                 sizes[key] = heads
+    strided = torch_private.feature("strided_shard")
+    if not strided.available and "moe_tp_experts" in plan.values():
+        raise ConfigError(
+            strided.refusal(
+                f"strategy.tensor_parallel={degree} of {model.family}'s experts",
+                instead="strategy.tensor_parallel=1",
+            )
+        )
     for layer in cast(nn.ModuleList, model.body.get_submodule("layers")):
         for name, style in _present(layer, plan).items():
             module = layer.get_submodule(name)

@@ -1,0 +1,395 @@
+"""Every torch name trainstack uses outside torch's public API, each behind a feature
+check with a fallback for the torch versions that lack it.
+
+A private name is imported inside the function that needs it, guarded, never when this
+module is imported; nothing else in trainstack names one. `features()` says which of
+them the installed torch has (for `trainstack doctor`); a feature with no fallback is
+refused before Ray starts by the pre-flight check of what needs it, naming the torch it
+needs (`TorchFeature.refusal`).
+
+What each is for, and what trainstack does without it (the table `_FEATURES` below):
+
+- `strided_shard`: `_StridedShard`, tensor parallelism's packed MoE experts
+  (strategies/tensor_parallel.py) and the blocks of checkpoint/blocks.py; without it the
+  former is refused.
+- `dispatch_mode`, `group_by_name`: `TorchDispatchMode`, `_resolve_process_group`, the
+  bytes FSDP's collectives send, counted (strategies/comm_count.py); else modelled.
+- `fake_tensors`: `FakeTensorMode`, the FLOPs of a model built on meta
+  (models/flops.py); else 6 x its parameters per token.
+- `cpu_attention_ops`: the CPU attention kernel's aten operators, counted as FLOPs;
+  else left out of MFU.
+- `ddp_ignore`: DDP's list of parameters it ignores (expert parallelism beside DDP);
+  else the experts are taken out of the model while DDP is built.
+- `module_parameters`: `nn.Module._parameters`, tensor parallelism's experts run on
+  their local slices; else the parameters are removed and registered again.
+- `stage_shape_inference`: the pipeline stage's shape-inference methods, wrapped so
+  they leave the buffers and the random generators as they were; else left alone.
+
+No longer used, because trainstack computes it: a strided shard's offsets
+(`_StridedShardOffsetMode`, torch 2.13+; checkpoint/blocks.py's own arithmetic, tested
+equal to torch's where it has the API).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+# ---- what the installed torch has ------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class TorchFeature:
+    """One private name of torch trainstack uses, and whether this torch has it."""
+
+    name: str
+    torch_name: str
+    """Where torch keeps it."""
+    available: bool
+    needs: str
+    """The torch releases that have it, e.g. `torch>=2.5`."""
+    fallback: str
+    """What trainstack does without it (`refused: ...` where nothing can stand in)."""
+
+    def refusal(self, what: str, *, instead: str) -> str:
+        """The one line that refuses `what`, which needs this feature: what to install,
+        or what to ask `instead`."""
+        return (
+            f"{what} needs {self.needs} ({self.torch_name}), and this is torch "
+            f"{torch.__version__}; install {self.needs}, or use {instead}"
+        )
+
+
+class TorchFeatureMissing(RuntimeError):
+    """A feature with no fallback was asked of a torch that lacks it (pre-flight refuses
+    the spec first; this is for the worker that got past it)."""
+
+
+def features() -> list[TorchFeature]:
+    """Each private feature, checked on the installed torch."""
+    return [TorchFeature(available=check(), **about) for about, check in _FEATURES.values()]
+
+
+def feature(name: str) -> TorchFeature:
+    """One of `features()`, by name."""
+    about, check = _FEATURES[name]
+    return TorchFeature(available=check(), **about)
+
+
+_CPU_ATTENTION_OPS: tuple[str, str] = (
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+)
+_METADATA_HOOKS = ("_forward_metadata_inference", "_post_metadata_inference_cleanup")
+
+
+def _importable(module: str, name: str) -> Callable[[], bool]:
+    def check() -> bool:
+        try:
+            found = __import__(module, fromlist=[name])
+        except ImportError:
+            return False
+        return hasattr(found, name)
+
+    return check
+
+
+def _has_stage_shape_inference() -> bool:
+    from torch.distributed.pipelining import PipelineStage
+
+    since_2_12 = all(hasattr(PipelineStage, hook) for hook in _METADATA_HOOKS)
+    return since_2_12 or hasattr(PipelineStage, "_shape_inference")
+
+
+def _has_ddp_ignore() -> bool:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return hasattr(DistributedDataParallel, "_set_params_and_buffers_to_ignore_for_model")
+
+
+_FEATURES: dict[str, tuple[dict[str, str], Callable[[], bool]]] = {
+    "strided_shard": (
+        {
+            "name": "strided_shard",
+            "torch_name": "torch.distributed.tensor.placement_types._StridedShard",
+            "needs": "torch>=2.5",
+            "fallback": "refused: tensor parallelism of MoE experts with a packed gate_up_proj",
+        },
+        _importable("torch.distributed.tensor.placement_types", "_StridedShard"),
+    ),
+    "dispatch_mode": (
+        {
+            "name": "dispatch_mode",
+            "torch_name": "torch.utils._python_dispatch.TorchDispatchMode",
+            "needs": "torch>=2.0",
+            "fallback": "fsdp's bytes on the wire modelled (ring collectives), not counted",
+        },
+        _importable("torch.utils._python_dispatch", "TorchDispatchMode"),
+    ),
+    "group_by_name": (
+        {
+            "name": "group_by_name",
+            "torch_name": "torch.distributed.distributed_c10d._resolve_process_group",
+            "needs": "torch>=2.2",
+            "fallback": "fsdp's bytes on the wire modelled (ring collectives), not counted",
+        },
+        _importable("torch.distributed.distributed_c10d", "_resolve_process_group"),
+    ),
+    "fake_tensors": (
+        {
+            "name": "fake_tensors",
+            "torch_name": "torch._subclasses.fake_tensor.FakeTensorMode",
+            "needs": "torch>=2.0",
+            "fallback": "FLOPs of a model built on meta estimated as 6 x parameters per token",
+        },
+        _importable("torch._subclasses.fake_tensor", "FakeTensorMode"),
+    ),
+    "cpu_attention_ops": (
+        {
+            "name": "cpu_attention_ops",
+            "torch_name": "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu",
+            "needs": "torch>=2.3",
+            "fallback": "attention's FLOPs on CPU left out of MFU",
+        },
+        lambda: all(hasattr(torch.ops.aten, op) for op in _CPU_ATTENTION_OPS),
+    ),
+    "ddp_ignore": (
+        {
+            "name": "ddp_ignore",
+            "torch_name": "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model",
+            "needs": "torch>=1.8",
+            "fallback": "expert-parallel experts hidden from DDP while it is built",
+        },
+        _has_ddp_ignore,
+    ),
+    "module_parameters": (
+        {
+            "name": "module_parameters",
+            "torch_name": "torch.nn.Module._parameters",
+            "needs": "torch>=1.0",
+            "fallback": "parameters swapped by removing and registering them again",
+        },
+        lambda: _has_parameter_table(nn.Module()),
+    ),
+    "stage_shape_inference": (
+        {
+            "name": "stage_shape_inference",
+            "torch_name": "PipelineStage._forward_metadata_inference (2.12+), "
+            "._shape_inference (2.6-2.11)",
+            "needs": "torch>=2.6",
+            "fallback": "a pipeline stage's buffers and RNG keep its shape-inference forward",
+        },
+        _has_stage_shape_inference,
+    ),
+}
+
+
+# ---- strided shards (tensor parallelism's packed experts; FSDP x TP's own layout) ------
+
+
+def strided_shard(dim: int, *, split_factor: int) -> Any:
+    """torch's `_StridedShard(dim, split_factor=...)`: along `dim`, `split_factor`
+    pieces, each split over the mesh dimension, a rank holding its part of every piece.
+    TorchFeatureMissing where torch has none (pre-flight refuses what needs one)."""
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:
+        missing = feature("strided_shard")
+        raise TorchFeatureMissing(
+            missing.refusal("a strided shard", instead="strategy.tensor_parallel=1")
+        ) from None
+    return _StridedShard(dim, split_factor=split_factor)
+
+
+def strided_split_factor(placement: object) -> int | None:
+    """The split factor of a strided shard; None for any other placement (and for every
+    placement, where torch has no strided shards)."""
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:
+        return None
+    if not isinstance(placement, _StridedShard):
+        return None
+    return int(placement.split_factor)
+
+
+# ---- counting collectives ------------------------------------------------------------
+
+
+def collective_dispatch_mode(on_op: Callable[[str, tuple[Any, ...]], None]) -> Any | None:
+    """A context manager that calls `on_op("namespace.op", args)` for every operator run
+    inside it (a torch dispatch mode: collectives included, on their way to the
+    backend); None where torch has no dispatch modes or cannot name a group's size."""
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group  # noqa: F401
+        from torch.utils._python_dispatch import TorchDispatchMode
+    except ImportError:
+        return None
+
+    class OperatorWatch(TorchDispatchMode):
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+        ) -> Any:
+            on_op(f"{func.namespace}.{func.__name__.split('.')[0]}", args)
+            return func(*args, **(kwargs or {}))
+
+    return OperatorWatch()
+
+
+def group_size_by_name(group_name: str) -> int:
+    """The size of the process group a functional collective names (only called from
+    inside `collective_dispatch_mode`, which checks that torch can say)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return int(_resolve_process_group(group_name).size())  # type: ignore[arg-type]
+
+
+# ---- FLOPs ------------------------------------------------------------------------------
+
+
+def fake_tensor_mode() -> Any | None:
+    """A context in which tensors have shapes and no storage (real tensors made inside it
+    are fake too); None where torch has none."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+    except ImportError:
+        return None
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def cpu_attention_ops() -> tuple[Any, Any] | None:
+    """torch's CPU attention kernel, forward and backward, as operators (FlopCounterMode
+    counts the GPU ones itself); None where torch has other names for them."""
+    if not all(hasattr(torch.ops.aten, op) for op in _CPU_ATTENTION_OPS):
+        return None
+    forward, backward = (getattr(torch.ops.aten, op) for op in _CPU_ATTENTION_OPS)
+    return forward, backward
+
+
+# ---- modules' parameters ---------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def hidden_from_ddp(module: nn.Module, names: list[str]) -> Iterator[None]:
+    """Build a `DistributedDataParallel` of `module` inside: the parameters `names` stay
+    out of it (not broadcast at the start, not reduced with the rest). torch's own list
+    of parameters DDP ignores where it has one; else they are taken out of `module` while
+    DDP is built (it reads the parameters once, then) and put back, in their order."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ignore = getattr(DistributedDataParallel, "_set_params_and_buffers_to_ignore_for_model", None)
+    if ignore is not None:
+        ignore(module, names)
+        yield
+        return
+    owners: dict[int, tuple[nn.Module, list[str], dict[str, nn.Parameter]]] = {}
+    for name in names:
+        path, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(path) if path else module
+        _, _, held = owners.setdefault(id(owner), (owner, _own_parameter_names(owner), {}))
+        held[leaf] = owner.get_parameter(leaf)
+        delattr(owner, leaf)
+    try:
+        yield
+    finally:
+        for owner, order, held in owners.values():
+            _register_in_order(owner, order=order, held=held)
+
+
+@contextlib.contextmanager
+def parameters_replaced(module: nn.Module, values: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """Inside, `module`'s own parameters named in `values` read as those tensors (plain
+    ones: autograd reaches the parameters through them); afterwards the parameters again,
+    in their order. torch's own table of a module's parameters where it has one; else
+    each is taken out and registered again."""
+    if _has_parameter_table(module):
+        table = module._parameters
+        saved = {name: table[name] for name in values}
+        table.update(values)  # type: ignore[arg-type]
+        try:
+            yield
+        finally:
+            table.update(saved)
+        return
+    order = _own_parameter_names(module)
+    held = {name: module.get_parameter(name) for name in values}
+    for name, value in values.items():
+        delattr(module, name)
+        setattr(module, name, value)  # a plain attribute: not a Parameter
+    try:
+        yield
+    finally:
+        for name in values:
+            delattr(module, name)
+        _register_in_order(module, order=order, held=held)
+
+
+def _has_parameter_table(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "_parameters", None), dict)
+
+
+def _own_parameter_names(module: nn.Module) -> list[str]:
+    return [name for name, _ in module.named_parameters(recurse=False, remove_duplicate=False)]
+
+
+def _register_in_order(
+    module: nn.Module, *, order: list[str], held: Mapping[str, nn.Parameter]
+) -> None:
+    """Register `held` on `module` again, its other own parameters with them, in `order`
+    (which `named_parameters`, so the optimizer and checkpoints, follow)."""
+    params = {name: held[name] if name in held else module.get_parameter(name) for name in order}
+    for name in order:
+        if name not in held:
+            delattr(module, name)
+    for name, param in params.items():
+        module.register_parameter(name, param)
+
+
+# ---- pipeline stages' shape inference ----------------------------------------------------
+
+
+class ShapeInferenceLeavesNoTrace:
+    """A mixin for a `PipelineStage` subclass (put before it): at the first step torch
+    runs the stage once to learn the shapes passed between stages; afterwards the stage's
+    buffers (batch-norm statistics) are as they were before it, and the random
+    generators too (torch forks them itself since 2.12). Each hook wraps the torch method
+    of that name; a torch with neither runs its inference as it likes
+    (`stage_shape_inference` in `features()`)."""
+
+    submod: nn.Module
+    device: torch.device
+
+    # torch 2.12+: forward metadata first, the cleanup after the backward metadata
+    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        self._buffers_before_inference: list[tuple[torch.Tensor, torch.Tensor]]
+        self._buffers_before_inference = _buffer_values(self.submod)
+        return super()._forward_metadata_inference(*args, **kwargs)  # type: ignore[misc]
+
+    def _post_metadata_inference_cleanup(self) -> None:
+        super()._post_metadata_inference_cleanup()  # type: ignore[misc]
+        _restore(getattr(self, "_buffers_before_inference", []))
+        self._buffers_before_inference = []
+
+    # torch 2.6-2.11: one forward without gradients, the generators not forked
+    def _shape_inference(self, *args: Any, **kwargs: Any) -> Any:
+        before = _buffer_values(self.submod)
+        devices = [self.device] if self.device.type != "cpu" else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+            outputs = super()._shape_inference(*args, **kwargs)  # type: ignore[misc]
+        _restore(before)
+        return outputs
+
+
+def _buffer_values(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(b, b.clone()) for b in module.buffers()]
+
+
+def _restore(values: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for buffer, value in values:
+            buffer.copy_(value)
