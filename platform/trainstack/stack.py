@@ -39,7 +39,7 @@ class Dependency:
 
     @property
     def requirement(self) -> str:
-        """The requirement as pip takes it: `ray[default,train,tune]>=2.52,<2.61`."""
+        """The requirement as pip takes it: `ray[default,train,tune]>=2.51,<2.61`."""
         extras = f"[{self.extras}]" if self.extras else ""
         return f"{self.name}{extras}{self.versions}"
 
@@ -71,10 +71,11 @@ DEPENDENCIES: tuple[Dependency, ...] = (
     ),
     Dependency(
         name="ray",
-        versions=">=2.52,<2.61",
+        versions=">=2.51,<2.61",
         extras="default,train,tune",
         used_for="Ray Train V2 worker groups, Ray Tune sweeps, actors, the Job API",
-        floor="Train V2 on by default with elastic worker groups (num_workers=(min, max))",
+        floor="Ray Train V2 on by default (its UserCallback, controller_failure_limit); "
+        "elastic groups need 2.55 and are refused before it",
     ),
     Dependency(
         name="deepspeed",
@@ -201,7 +202,7 @@ def install_command(found: Iterable[Found]) -> str:
 
 
 def describe(row: Found) -> str:
-    """`ray 2.40.0 (trainstack needs >=2.52,<2.61)`, `deepspeed not installed (...)`."""
+    """`ray 2.40.0 (trainstack needs >=2.51,<2.61)`, `deepspeed not installed (...)`."""
     have = row.version or "not installed"
     return f"{row.dependency.name} {have} (trainstack needs {row.dependency.versions})"
 
