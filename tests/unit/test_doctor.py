@@ -16,6 +16,7 @@ import trainstack.stack
 from trainstack.cli.app import main
 from trainstack.cli.submit import dependency_env
 from trainstack.config import ConfigError, config_from_dict
+from trainstack.runtime.cluster import version_mismatch
 from trainstack.runtime.stack_check import check_versions_here
 from trainstack.stack import dependency
 
@@ -29,12 +30,11 @@ def _shadow(site: Path, name: str, version: str) -> None:
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
 
 
-def _doctor(*args: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess[str]:
+def _doctor(*, pythonpath: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    if pythonpath is not None:
-        env["PYTHONPATH"] = str(pythonpath)
+    env["PYTHONPATH"] = str(pythonpath)
     return subprocess.run(
-        [str(BIN / "trainstack"), "doctor", *args],
+        [str(BIN / "trainstack"), "doctor"],
         capture_output=True,
         text=True,
         env=env,
@@ -43,10 +43,12 @@ def _doctor(*args: str, pythonpath: Path | None = None) -> subprocess.CompletedP
     )
 
 
-def test_doctor_in_range_lists_every_library_and_exits_0() -> None:
-    done = _doctor()
-    assert done.returncode == 0, done.stdout + done.stderr
-    out = done.stdout
+def test_doctor_in_range_lists_every_library_and_exits_0(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
     for dep in ("torch", "ray", "deepspeed", "mlflow"):
         assert f"\n{dep} " in out
     assert dependency("ray").versions in out
@@ -72,13 +74,13 @@ def test_doctor_out_of_range_names_each_and_the_pip_command(tmp_path: Path) -> N
     assert f"'{dependency('deepspeed').requirement}'" in verdict
 
 
-def test_doctor_says_in_one_line_when_the_cluster_cannot_be_asked(tmp_path: Path) -> None:
-    done = _doctor("--address", "http://127.0.0.1:9")  # nothing listens there
-    assert done.returncode == 2
-    assert (
-        done.stderr.strip() == "trainstack: error: could not ask the cluster at http://127.0.0.1:9"
-    )
-    assert "ray cluster at http://127.0.0.1:9: " in done.stdout
+def test_doctor_says_in_one_line_when_the_cluster_cannot_be_asked(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["doctor", "--address", "http://127.0.0.1:9"]) == 2  # nothing listens there
+    done = capsys.readouterr()
+    assert done.err.strip() == "trainstack: error: could not ask the cluster at http://127.0.0.1:9"
+    assert "ray cluster at http://127.0.0.1:9: " in done.out
 
 
 def test_preflight_refuses_a_library_older_than_the_floor_and_notes_a_newer_one(
@@ -117,3 +119,17 @@ def test_submit_without_deps_is_refused_in_one_line_before_anything_is_sent(
     assert main(["submit", "jobs/configs/demo.yaml", "--address", "http://127.0.0.1:9"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("trainstack: error: trainstack submit needs --deps")
+
+
+def test_a_cluster_of_another_ray_is_refused_in_one_line_naming_both() -> None:
+    rays = (
+        "Version mismatch: The cluster was started with:\n    Ray: 2.58.0\n    Python: 3.11.9\n"
+        "This process on node 10.0.0.1 was started with:\n    Ray: 2.60.0\n    Python: 3.11.7\n"
+    )
+    line = version_mismatch("10.0.0.2:6379", rays)
+    assert "\n" not in line
+    assert line.startswith(
+        "the cluster at 10.0.0.2:6379 runs Ray 2.58.0 on Python 3.11.9, this driver Ray 2.60.0 "
+        "on Python 3.11.7"
+    )
+    assert "trainstack submit" in line

@@ -5,6 +5,7 @@ dashboard's address, placement beside the driver, and the environment workers on
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import ray
@@ -12,7 +13,7 @@ import ray.train
 import ray.train.torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from trainstack.config import JobConfig
+from trainstack.config import ConfigError, JobConfig
 from trainstack.kinds import kind_of
 from trainstack.storage import (
     credential_env,
@@ -33,13 +34,31 @@ def connect(address: str | None, *, log_to_driver: bool = True) -> bool:
     embedded local instance."""
     target = ray_target(address)
     if target == "cluster":
-        ray.init(address=address or os.environ["RAY_ADDRESS"], log_to_driver=log_to_driver)
+        where = address or os.environ["RAY_ADDRESS"]
+        try:
+            ray.init(address=where, log_to_driver=log_to_driver)
+        except RuntimeError as err:
+            if not str(err).startswith("Version mismatch"):
+                raise
+            raise ConfigError(version_mismatch(where, str(err))) from None
     elif target == "local":
         for name, value in EMBEDDED_RAY_ENV.items():
             os.environ.setdefault(name, value)
         # "local": a new instance even when a `ray start` cluster runs on this machine.
         ray.init(address="local", log_to_driver=log_to_driver)
     return target == "local"
+
+
+def version_mismatch(address: str, message: str) -> str:
+    """Ray's refusal to join a cluster of another Ray or Python, as one line."""
+    found = re.findall(r"Ray: (\S+)\s+Python: (\S+)", message)
+    theirs, ours = found if len(found) == 2 else (("?", "?"), ("?", "?"))
+    return (
+        f"the cluster at {address} runs Ray {theirs[0]} on Python {theirs[1]}, this driver "
+        f"Ray {ours[0]} on Python {ours[1]}: a driver joins only a cluster of its own Ray and "
+        "Python; run it from the cluster's environment, or `trainstack submit` the job "
+        "(the Job API needs no matching Ray)"
+    )
 
 
 def dashboard_line() -> str:

@@ -50,6 +50,7 @@ from trainstack.runtime.events import RunFollower, controller_watches, drain, la
 from trainstack.runtime.loop import train
 from trainstack.runtime.preflight import preflight
 from trainstack.runtime.progress import ProgressDisplay
+from trainstack.runtime.stack_check import check_cluster_versions, check_versions_here
 from trainstack.storage import (
     Location,
     StorePath,
@@ -125,6 +126,7 @@ def run_job(
     worker group fails for good or finds no room within `scaling.start_timeout_s`.
     """
     wall_start, began = time.perf_counter(), time.time()
+    _note(display, check_versions_here(cfg))  # raises for a library too old or missing
     if resume_from is not None and not kind_of(cfg).resumes_other_runs:
         raise ConfigError(
             f"--resume-from {resume_from}: strategy.kind=ps cannot start from a checkpoint "
@@ -160,6 +162,8 @@ def run_job(
 
     checked = time.time()
     started_local = connect(address)
+    if target == "cluster":  # every node, as the job's processes there will see it
+        _note(display, check_cluster_versions(cfg))
     connected = time.time()
     if display is not None:
         display.note(dashboard_line())
@@ -281,6 +285,11 @@ def _quiet_driver_logs() -> dict[str, Any]:
     (2.56 on; before, its default)."""
     logging_config = train_logging_config()
     return {} if logging_config is None else {"logging_config": logging_config(log_level="WARNING")}
+
+
+def _note(display: ProgressDisplay | None, note: str | None) -> None:
+    if note is not None and display is not None:
+        display.note(note)
 
 
 def _ray_storage(cfg: JobConfig, checkpoints: Location) -> dict[str, Any]:
