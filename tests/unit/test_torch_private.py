@@ -9,7 +9,9 @@ cannot work without its feature is refused in one line naming the torch it needs
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
@@ -53,9 +55,9 @@ def test_every_feature_is_named_once_says_what_it_needs_and_is_here() -> None:
     found = torch_private.features()
     assert len({f.name for f in found}) == len(found)
     for f in found:
-        assert f.needs.startswith("torch>=") and f.fallback and f.torch_name, f
+        assert re.fullmatch(r"2\.\d+", f.since) and f.uses and f.fallback and f.torch_name, f
         assert f.available, f"{f.name} ({f.torch_name}) missing from torch {torch.__version__}"
-        assert torch_private.feature(f.name) == f
+        assert torch_private.feature(f.name) is f
 
 
 # ---- a strided shard's positions: our arithmetic, torch's layout ------------------------
@@ -168,7 +170,8 @@ def test_a_strided_shard_is_built_and_recognised(monkeypatch: pytest.MonkeyPatch
     monkeypatch.delattr(placement_types, "_StridedShard")
     assert not torch_private.feature("strided_shard").available
     assert torch_private.strided_split_factor(packed) is None  # no strided shard exists then
-    with pytest.raises(TorchFeatureMissing, match=r"needs torch>=2\.5 .*_StridedShard"):
+    needs = torch_private.feature("strided_shard").needs
+    with pytest.raises(TorchFeatureMissing, match=rf"needs {needs} .*_StridedShard"):
         torch_private.strided_shard(1, split_factor=2)
 
 
@@ -190,7 +193,8 @@ def test_tensor_parallel_experts_without_strided_shards_are_refused_in_one_line(
     with pytest.raises(ConfigError) as refused:
         check_tensor_parallel(model, 2)
     line = str(refused.value)
-    assert "\n" not in line and "torch>=2.5" in line and torch.__version__ in line, line
+    needs = torch_private.feature("strided_shard").needs
+    assert "\n" not in line and needs in line and torch.__version__ in line, line
     assert "strategy.tensor_parallel=1" in line, line
 
 
@@ -367,6 +371,21 @@ def test_the_stage_hooks_are_found_and_missed(monkeypatch: pytest.MonkeyPatch) -
             if hook in vars(klass):
                 monkeypatch.delattr(klass, hook)
     assert not torch_private.feature("stage_shape_inference").available
+
+
+class _Warmup:
+    def _get_init_p2p_neighbors_ops(self) -> list[Any]:
+        return [SimpleNamespace(peer=peer) for peer in (0, 1, 0, 1)]
+
+
+class _QuietWarmup(torch_private.WarmupWithoutSelfSends, _Warmup):
+    pass
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_the_links_are_warmed_up_without_sends_to_this_rank() -> None:
+    assert [op.peer for op in _QuietWarmup()._get_init_p2p_neighbors_ops()] == [1, 1]
+    assert torch_private.feature("stage_warmup").available
 
 
 # ---- DeviceMesh._flatten's public stand-in -------------------------------------------------

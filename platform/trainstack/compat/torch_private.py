@@ -24,6 +24,8 @@ What each is for, and what trainstack does without it (the table `_FEATURES` bel
   their local slices; else the parameters are removed and registered again.
 - `stage_shape_inference`: the pipeline stage's shape-inference methods, wrapped so
   they leave the buffers and the random generators as they were; else left alone.
+- `stage_warmup`: the pipeline stage's warm-up of its links (torch 2.11 and before),
+  without the sends of a rank to itself that gloo refuses; else torch's own.
 
 No longer used, because trainstack computes it: a strided shard's offsets
 (`_StridedShardOffsetMode`, torch 2.13+; checkpoint/blocks.py's own arithmetic, tested
@@ -45,16 +47,29 @@ from torch import nn
 
 @dataclass(frozen=True, kw_only=True)
 class TorchFeature:
-    """One private name of torch trainstack uses, and whether this torch has it."""
+    """Something trainstack uses that is outside torch's public API."""
 
     name: str
+    uses: str
+    """What trainstack does with it."""
     torch_name: str
     """Where torch keeps it."""
-    available: bool
-    needs: str
-    """The torch releases that have it, e.g. `torch>=2.5`."""
+    since: str
+    """The first torch release that has it (`2.11`, the oldest trainstack runs on, for
+    what is older)."""
     fallback: str
-    """What trainstack does without it (`refused: ...` where nothing can stand in)."""
+    """What trainstack does on a torch without it (`refused ...` where nothing can stand
+    in: pre-flight refuses what needs it)."""
+    check: Callable[[], bool]
+    """Whether the installed torch has it."""
+
+    @property
+    def available(self) -> bool:
+        return self.check()
+
+    @property
+    def needs(self) -> str:
+        return f"torch>={self.since}"
 
     def refusal(self, what: str, *, instead: str) -> str:
         """The one line that refuses `what`, which needs this feature: what to install,
@@ -70,15 +85,16 @@ class TorchFeatureMissing(RuntimeError):
     the spec first; this is for the worker that got past it)."""
 
 
-def features() -> list[TorchFeature]:
-    """Each private feature, checked on the installed torch."""
-    return [TorchFeature(available=check(), **about) for about, check in _FEATURES.values()]
+def features() -> tuple[TorchFeature, ...]:
+    """Every private torch feature trainstack uses (`available` checks the installed
+    torch)."""
+    return TORCH_FEATURES
 
 
 def feature(name: str) -> TorchFeature:
     """One of `features()`, by name."""
-    about, check = _FEATURES[name]
-    return TorchFeature(available=check(), **about)
+    (found,) = (f for f in TORCH_FEATURES if f.name == name)
+    return found
 
 
 _CPU_ATTENTION_OPS: tuple[str, str] = (
@@ -99,11 +115,15 @@ def _importable(module: str, name: str) -> Callable[[], bool]:
     return check
 
 
-def _has_stage_shape_inference() -> bool:
+def _stage_has(method: str) -> bool:
     from torch.distributed.pipelining import PipelineStage
 
-    since_2_12 = all(hasattr(PipelineStage, hook) for hook in _METADATA_HOOKS)
-    return since_2_12 or hasattr(PipelineStage, "_shape_inference")
+    return hasattr(PipelineStage, method)
+
+
+def _has_stage_shape_inference() -> bool:
+    since_2_12 = all(_stage_has(hook) for hook in _METADATA_HOOKS)
+    return since_2_12 or _stage_has("_shape_inference")
 
 
 def _has_ddp_ignore() -> bool:
@@ -112,81 +132,85 @@ def _has_ddp_ignore() -> bool:
     return hasattr(DistributedDataParallel, "_set_params_and_buffers_to_ignore_for_model")
 
 
-_FEATURES: dict[str, tuple[dict[str, str], Callable[[], bool]]] = {
-    "strided_shard": (
-        {
-            "name": "strided_shard",
-            "torch_name": "torch.distributed.tensor.placement_types._StridedShard",
-            "needs": "torch>=2.5",
-            "fallback": "refused: tensor parallelism of MoE experts with a packed gate_up_proj",
-        },
-        _importable("torch.distributed.tensor.placement_types", "_StridedShard"),
+def _has_cpu_attention_ops() -> bool:
+    return all(hasattr(torch.ops.aten, op) for op in _CPU_ATTENTION_OPS)
+
+
+TORCH_FEATURES: tuple[TorchFeature, ...] = (
+    TorchFeature(
+        name="strided_shard",
+        uses="tensor parallelism of MoE experts with a packed gate_up_proj; their checkpoints",
+        torch_name="torch.distributed.tensor.placement_types._StridedShard",
+        since="2.11",
+        fallback="refused by pre-flight (strategy.tensor_parallel=1 for such experts)",
+        check=_importable("torch.distributed.tensor.placement_types", "_StridedShard"),
     ),
-    "dispatch_mode": (
-        {
-            "name": "dispatch_mode",
-            "torch_name": "torch.utils._python_dispatch.TorchDispatchMode",
-            "needs": "torch>=2.0",
-            "fallback": "fsdp's bytes on the wire modelled (ring collectives), not counted",
-        },
-        _importable("torch.utils._python_dispatch", "TorchDispatchMode"),
+    TorchFeature(
+        name="dispatch_mode",
+        uses="fsdp counts the bytes its collectives send in its first step",
+        torch_name="torch.utils._python_dispatch.TorchDispatchMode",
+        since="2.11",
+        fallback="fsdp's bytes on the wire modelled (ring collectives), not counted",
+        check=_importable("torch.utils._python_dispatch", "TorchDispatchMode"),
     ),
-    "group_by_name": (
-        {
-            "name": "group_by_name",
-            "torch_name": "torch.distributed.distributed_c10d._resolve_process_group",
-            "needs": "torch>=2.2",
-            "fallback": "fsdp's bytes on the wire modelled (ring collectives), not counted",
-        },
-        _importable("torch.distributed.distributed_c10d", "_resolve_process_group"),
+    TorchFeature(
+        name="group_by_name",
+        uses="the size of the group a functional collective names, for the count above",
+        torch_name="torch.distributed.distributed_c10d._resolve_process_group",
+        since="2.11",
+        fallback="fsdp's bytes on the wire modelled (ring collectives), not counted",
+        check=_importable("torch.distributed.distributed_c10d", "_resolve_process_group"),
     ),
-    "fake_tensors": (
-        {
-            "name": "fake_tensors",
-            "torch_name": "torch._subclasses.fake_tensor.FakeTensorMode",
-            "needs": "torch>=2.0",
-            "fallback": "FLOPs of a model built on meta estimated as 6 x parameters per token",
-        },
-        _importable("torch._subclasses.fake_tensor", "FakeTensorMode"),
+    TorchFeature(
+        name="fake_tensors",
+        uses="the FLOPs of a model built on meta (a pretrained one), counted without storage",
+        torch_name="torch._subclasses.fake_tensor.FakeTensorMode",
+        since="2.11",
+        fallback="FLOPs of a model built on meta estimated as 6 x parameters per token",
+        check=_importable("torch._subclasses.fake_tensor", "FakeTensorMode"),
     ),
-    "cpu_attention_ops": (
-        {
-            "name": "cpu_attention_ops",
-            "torch_name": "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu",
-            "needs": "torch>=2.3",
-            "fallback": "attention's FLOPs on CPU left out of MFU",
-        },
-        lambda: all(hasattr(torch.ops.aten, op) for op in _CPU_ATTENTION_OPS),
+    TorchFeature(
+        name="cpu_attention_ops",
+        uses="FLOPs of the CPU attention kernel, counted for MFU",
+        torch_name="torch.ops.aten._scaled_dot_product_flash_attention_for_cpu",
+        since="2.11",
+        fallback="attention's FLOPs on CPU left out of MFU",
+        check=_has_cpu_attention_ops,
     ),
-    "ddp_ignore": (
-        {
-            "name": "ddp_ignore",
-            "torch_name": "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model",
-            "needs": "torch>=1.8",
-            "fallback": "expert-parallel experts hidden from DDP while it is built",
-        },
-        _has_ddp_ignore,
+    TorchFeature(
+        name="ddp_ignore",
+        uses="expert parallelism beside DDP: the experts stay out of DDP's reduction",
+        torch_name="DistributedDataParallel._set_params_and_buffers_to_ignore_for_model",
+        since="2.11",
+        fallback="the experts taken out of the model while DDP is built",
+        check=_has_ddp_ignore,
     ),
-    "module_parameters": (
-        {
-            "name": "module_parameters",
-            "torch_name": "torch.nn.Module._parameters",
-            "needs": "torch>=1.0",
-            "fallback": "parameters swapped by removing and registering them again",
-        },
-        lambda: _has_parameter_table(nn.Module()),
+    TorchFeature(
+        name="module_parameters",
+        uses="tensor parallelism's MoE experts run their own forward on their local slices",
+        torch_name="torch.nn.Module._parameters",
+        since="2.11",
+        fallback="the parameters removed and registered again around each forward",
+        check=lambda: _has_parameter_table(nn.Module()),
     ),
-    "stage_shape_inference": (
-        {
-            "name": "stage_shape_inference",
-            "torch_name": "PipelineStage._forward_metadata_inference (2.12+), "
-            "._shape_inference (2.6-2.11)",
-            "needs": "torch>=2.6",
-            "fallback": "a pipeline stage's buffers and RNG keep its shape-inference forward",
-        },
-        _has_stage_shape_inference,
+    TorchFeature(
+        name="stage_shape_inference",
+        uses="a pipeline stage's shape inference leaves its buffers and the RNG as they were",
+        torch_name="PipelineStage._forward_metadata_inference (2.12+) or ._shape_inference",
+        since="2.11",
+        fallback="the shape-inference forward moves batch-norm statistics (and, before "
+        "2.12, the RNG)",
+        check=_has_stage_shape_inference,
     ),
-}
+    TorchFeature(
+        name="stage_warmup",
+        uses="a V schedule's stages warm up their links without a rank sending to itself",
+        torch_name="PipelineStage._get_init_p2p_neighbors_ops",
+        since="2.11",
+        fallback="torch's own warm-up (which 2.12+ does otherwise, without it)",
+        check=lambda: _stage_has("_get_init_p2p_neighbors_ops"),
+    ),
+)
 
 
 # ---- strided shards (tensor parallelism's packed experts; FSDP x TP's own layout) ------
@@ -383,6 +407,21 @@ class ShapeInferenceLeavesNoTrace:
             outputs = super()._shape_inference(*args, **kwargs)  # type: ignore[misc]
         _restore(before)
         return outputs
+
+
+class WarmupWithoutSelfSends:
+    """A mixin for a `PipelineStage` subclass (put before it): before the first step
+    torch up to 2.11 warms up the links to each stage's neighbours with a send and a
+    receive, even where the neighbour sits on the same rank (a V schedule's two middle
+    stages), which gloo cannot do (`Pair is not connected`); those are left out here
+    (only links between two ranks need warming). torch 2.12+ warms up otherwise and
+    never calls this."""
+
+    def _get_init_p2p_neighbors_ops(self) -> list[Any]:
+        import torch.distributed as dist
+
+        ops = super()._get_init_p2p_neighbors_ops()  # type: ignore[misc]
+        return [op for op in ops if op.peer != dist.get_rank()]
 
 
 def _buffer_values(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -135,13 +135,17 @@ def first_replica_figures(
     return replica0, bubbles
 
 
-class ProbedStage(torch_private.ShapeInferenceLeavesNoTrace, PipelineStage):
+class ProbedStage(
+    torch_private.ShapeInferenceLeavesNoTrace, torch_private.WarmupWithoutSelfSends, PipelineStage
+):
     """A `PipelineStage` that adds up its compute seconds and meters its activations.
 
     At the first step torch infers the shapes passed between stages with one real
     forward (on empty tensors past the first stage, and a backward since torch 2.12);
     the stage's buffers (batch-norm statistics) and the random generators are as they
-    were before it once that is done (`torch_private.ShapeInferenceLeavesNoTrace`).
+    were before it once that is done (`torch_private.ShapeInferenceLeavesNoTrace`); the
+    links between stages are warmed up without a rank sending to itself, which gloo
+    cannot do (`torch_private.WarmupWithoutSelfSends`, for torch 2.11).
     """
 
     def __init__(self, *args: Any, meter: SavedActivationMeter, **kwargs: Any) -> None:
