@@ -9,8 +9,12 @@ cannot work without its feature is refused in one line naming the torch it needs
 
 from __future__ import annotations
 
+import ast
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -47,6 +51,83 @@ CASES = [
     for split_factor in (1, 2, 3)
     if NESTED_STRIDED_LAYOUT or size % (chunks * split_factor) == 0
 ]
+
+
+PACKAGE = Path(__file__).resolve().parents[2] / "platform" / "trainstack"
+TORCH_HOOKS = {
+    # torch's private names trainstack used before compat held them: methods and
+    # attributes (reached on torch's objects), and the hooks a subclass overrides
+    "_flatten",
+    "_set_params_and_buffers_to_ignore_for_model",
+    "_make_subclass",
+    "_parameters",
+    "_buffers",
+    "_PipelineSchedule",
+    "_resolve_process_group",
+    "_StridedShard",
+    "_StridedShardOffsetMode",
+    "_local_shard_size_and_offset",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+}
+TORCH_OVERRIDES = {
+    "_shape_inference",
+    "_forward_metadata_inference",
+    "_post_metadata_inference_cleanup",
+    "_get_init_p2p_neighbors_ops",
+}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _torch_private_names(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """(line, what) for every private torch name `tree` imports, reaches or overrides."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            names = [*(node.module or "").split("."), *(a.name for a in node.names)]
+            if any(_private(n) for n in names):
+                yield node.lineno, f"from {node.module} import ..."
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "torch" and any(
+                    _private(n) for n in alias.name.split(".")
+                ):
+                    yield node.lineno, f"import {alias.name}"
+        elif isinstance(node, ast.Attribute):
+            chain, value = [node.attr], node.value
+            while isinstance(value, ast.Attribute):
+                chain.append(value.attr)
+                value = value.value
+            rooted = isinstance(value, ast.Name) and value.id == "torch"
+            reached = node.attr in TORCH_HOOKS | TORCH_OVERRIDES
+            if reached or (rooted and any(_private(n) for n in chain)):
+                yield node.lineno, ".".join(reversed(chain))
+        elif isinstance(node, ast.FunctionDef) and node.name in TORCH_OVERRIDES:
+            yield node.lineno, f"def {node.name}"
+
+
+def test_no_module_outside_compat_names_a_private_torch_name() -> None:
+    """The rule (docs: DESIGN.md): a private torch name lives in compat/torch_private.py
+    alone; docstrings may speak of them, code may not reach them."""
+    offenders = [
+        f"{path.relative_to(PACKAGE)}:{line}: {what}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.parent.name != "compat"
+        for line, what in _torch_private_names(ast.parse(path.read_text()))
+    ]
+    assert offenders == []
+
+
+def test_importing_the_compat_module_imports_nothing_of_torch_beyond_torch_itself() -> None:
+    """Every private name is imported when a function needs it, never with the module."""
+    code = (
+        "import sys, torch; before = set(sys.modules); import trainstack.compat.torch_private; "
+        "print(sorted(m for m in set(sys.modules) - before if m.startswith('torch')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def test_every_feature_is_named_once_says_what_it_needs_and_is_here() -> None:
