@@ -508,7 +508,12 @@ def test_a_family_whose_plan_does_not_compute_its_forward_is_refused_for_a_pipel
 @pytest.mark.parametrize(
     ("family", "hf", "degree", "words"),
     [
-        ("granite_swa", {}, 2, "splits layers.*.self_attn as local_params, which trainstack"),
+        (  # multi-head latent attention (DeepSeek's): a style trainstack does not split
+            "minicpm3",
+            {},
+            2,
+            "splits layers.*.self_attn.kv_a_proj_with_mqa as mla_kv_a_proj, which trainstack",
+        ),
         (  # its experts split by the intermediate size, which the degree must divide
             "qwen3_moe",
             {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 33},

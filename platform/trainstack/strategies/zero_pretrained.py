@@ -61,8 +61,11 @@ def partition_on_meta(model: nn.Module, *, config: Mapping[str, Any]) -> None:
         param.ds_tensor = partition
         param.ds_numel_aligned = size * param.ds_zero_partition_world_size
         param.partition()  # already partitioned: DeepSpeed marks it so and frees `data`
-    if init.mem_efficient_linear:  # as Init(module=...) does, so training runs the same
-        init._enable_mem_efficient_linear()
+    # As Init(module=...) does, so training runs the same: DeepSpeed 0.19.4 and later swap
+    # in their memory-efficient linear there; earlier ones leave torch's.
+    enable_linear = getattr(init, "_enable_mem_efficient_linear", None)
+    if init.mem_efficient_linear and enable_linear is not None:
+        enable_linear()
 
 
 def read_held(model: nn.Module, folder: str) -> None:
