@@ -179,7 +179,7 @@ def test_strided_shard_positions_equal_torchs_offsets_where_torch_has_them() -> 
     for size, chunks, split_factor in CASES:
         placement = strided(0, split_factor=split_factor)
         for rank in range(chunks):
-            length, theirs = placement.local_shard_size_and_offset(size, chunks, rank, **offsets)
+            length, theirs = placement._local_shard_size_and_offset(size, chunks, rank, **offsets)
             ours = strided_shard_positions(size, chunks, rank, split_factor=split_factor)
             assert (len(ours), ours) == (length, list(theirs)), (size, chunks, split_factor, rank)
 
