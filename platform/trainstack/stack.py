@@ -79,15 +79,17 @@ DEPENDENCIES: tuple[Dependency, ...] = (
     ),
     Dependency(
         name="deepspeed",
-        versions=">=0.17,<0.20",
+        versions=">=0.19.3,<0.20",
         used_for="strategy.kind zero (ZeRO 1/2/3, offload) and its pipeline engine",
-        floor="ZeRO-3 and the pipeline engine on torch's public distributed API",
+        floor="its pipeline engine averages the micro-batches' gradients once (before "
+        "0.19.3 earlier stages divide twice; before 0.18.3 they are summed)",
     ),
     Dependency(
         name="mlflow",
-        versions=">=3.0,<3.19",
+        versions=">=3.9,<3.18",
         used_for="tracking (a SQLite store or a tracking server), trainstack report",
-        floor="MLflow 3's logged-model and run APIs as trainstack calls them",
+        floor="its SQLite store imports under SQLAlchemy 2.1, which MLflow admits and pip "
+        "picks (3.8 and older import a class 2.1 removed); 3.18 does not install",
     ),
     Dependency(
         name="numpy",
@@ -115,10 +117,11 @@ DEPENDENCIES: tuple[Dependency, ...] = (
     ),
     Dependency(
         name="transformers",
-        versions=">=5.0,<5.25",
+        versions=">=5.21,<5.25",
         needed_by="hf",
         used_for="model.kind hf (any Hugging Face causal LM), tokenizers for text data",
-        floor="transformers 5's model classes and from_pretrained(dtype=...)",
+        floor="configs as dataclasses (5.4), pipeline plans that keep lm_head (5.14), "
+        "gemma2 not claiming an sdpa that drops its soft-capping (5.21)",
     ),
     Dependency(
         name="liger-kernel",
