@@ -4,10 +4,20 @@ SHELL := /bin/bash
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
-# The CPU build of torch goes in before the project, so the project's torch range is
-# already met and pip pulls no CUDA build. On a GPU machine: make TORCH_SPEC=torch
+# The CPU build of torch goes in first, then the lock file's exact versions of everything
+# else (requirements/dev.lock, which leaves torch out), then trainstack itself, editable.
+# On a GPU machine: make TORCH_SPEC=torch (any torch inside pyproject's range).
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.trainstack-installed
+LOCK := requirements/dev.lock
+# uv installs the venv (cold caches: 16 s, where pip took 42 s resolving and installing the
+# same lock; docs/installing.md). It reads none of pip's configuration, so the local wheel
+# folders pip is pointed at (find-links: torch's CPU build lies in one on this project's
+# machines) are handed to it too.
+UV_VERSION := 0.13.9
+UV := $(VENV)/bin/uv
+FIND_LINKS := $(sort $(PIP_FIND_LINKS) $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+UV_LINKS := $(foreach folder,$(FIND_LINKS),--find-links $(folder))
 # pip's notes about unreadable local index folders are noise here.
 QUIET_PIP := { grep -v '^WARNING: Location' || true; }
 # Bytecode is written as modules are first imported, in the venv and the tree alike: with
@@ -21,22 +31,32 @@ unexport PYTHONDONTWRITEBYTECODE
 # compiles, instead of finding another checkout's kernels. One set in the environment wins.
 export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/torchinductor
 
-.PHONY: venv demo demo-stdlib test test-fast lint clean browser grafana
+.PHONY: venv demo demo-stdlib test test-fast test-compat lock lint clean browser grafana
 
 venv: $(STAMP)
 
-# The venv's own pip is brought up to date first: the one Python 3.11 ships (23.2) took
-# 88 s to install the dev extras without compiling, most of it resolving them against the
-# package indexes; pip 26 takes 43 s. Nothing is compiled at install (pip would compile
-# 25,000 modules on one core, about 80 s); the first process to import a module writes
-# its bytecode (the unexport above).
-$(STAMP): pyproject.toml
+# uv itself comes from PyPI through the venv's own pip. Nothing is compiled at install
+# (uv compiles no bytecode unless asked); the first process to import a module writes its
+# bytecode (the unexport above).
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q 'pip>=26.2' 2>&1 | $(QUIET_PIP)
-	$(PY) -m pip install -q --no-compile $(TORCH_SPEC) 2>&1 | $(QUIET_PIP)
-	$(PY) -m pip install -q --no-compile -e '.[dev]' 2>&1 | $(QUIET_PIP)
+	$(PY) -m pip install -q --disable-pip-version-check uv==$(UV_VERSION) 2>&1 | $(QUIET_PIP)
+	$(UV) pip install -q --python $(PY) $(UV_LINKS) '$(TORCH_SPEC)'
+	$(UV) pip install -q --python $(PY) $(UV_LINKS) -r $(LOCK)
+	$(UV) pip install -q --python $(PY) --no-deps -e .
 	$(PY) -c 'import torch, ray, deepspeed, mlflow, trainstack' >/dev/null 2>&1
 	touch $(STAMP)
+
+# The lock files, from pyproject.toml's ranges (needs the package index): dev.lock the
+# newest release of each inside its range (against the CPU torch of requirements/dev.in),
+# floor.lock the floors (requirements/floor.in), torch-top.lock the newest torch.
+LOCK_FOR := --python-version 3.11 --python-platform x86_64-manylinux_2_28 --extra dev --extra hf -q
+lock: $(STAMP)
+	$(UV) pip compile pyproject.toml -c requirements/dev.in --no-emit-package torch \
+		$(UV_LINKS) $(LOCK_FOR) -o $(LOCK)
+	$(UV) pip compile pyproject.toml requirements/floor.in $(LOCK_FOR) -o requirements/floor.lock
+	$(UV) pip compile pyproject.toml requirements/torch-top.in $(LOCK_FOR) \
+		-o requirements/torch-top.lock
 
 # A fresh demo each time: a rerun of a finished run would only report it.
 demo: $(STAMP)
