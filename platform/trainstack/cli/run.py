@@ -11,6 +11,7 @@ from typing import Any
 from trainstack.cli.args import add_set_and_address, error
 from trainstack.config import PROGRESS_MODES, ConfigError, JobConfig, load_config
 from trainstack.runtime.progress import ProgressDisplay, format_summary
+from trainstack.runtime.stack_check import check_versions_here
 from trainstack.storage import Location, open_location
 
 
@@ -41,6 +42,7 @@ def run_command(args: argparse.Namespace) -> int:
         if args.progress:
             overrides.append(f"log.progress={args.progress}")
         cfg = load_config(args.config, overrides)
+        check_versions_here(cfg)  # before torch is imported: a missing one is one line
         options = cfg.checkpoint.storage_options  # a URI's store: the job's store options
         resume_from = open_location(args.resume_from, options) if args.resume_from else None
     except ConfigError as err:

@@ -183,5 +183,20 @@ def entrypoint(spec: str, overrides: list[str], *, summary_json: str | None) -> 
 
 
 async def _follow(client: Any, job_id: str) -> None:
-    async for lines in client.tail_job_logs(job_id):
-        print(lines, end="", flush=True)
+    """Print the job's log as it grows until the job ends. A log stream may close before
+    the job does (Ray 2.51's does when the job has not started yet): then it is opened
+    again, which streams the log from its start, and only what is new is printed; what
+    the last stream missed comes from the whole log once the job has ended."""
+    printed = 0
+    while True:
+        seen = 0
+        async for lines in client.tail_job_logs(job_id):
+            new = lines[max(0, printed - seen) :]
+            seen += len(lines)
+            if new:
+                print(new, end="", flush=True)
+                printed += len(new)
+        if client.get_job_status(job_id).is_terminal():
+            break
+        await asyncio.sleep(1)
+    print(client.get_job_logs(job_id)[printed:], end="", flush=True)
