@@ -130,14 +130,24 @@ def test_importing_the_compat_module_imports_nothing_of_torch_beyond_torch_itsel
     assert out.stdout.strip() == "[]"
 
 
-def test_every_feature_is_named_once_says_what_it_needs_and_is_here() -> None:
-    """On the torch trainstack is tested with, every private feature is present; each
-    says which torch has it and what trainstack does without it (`trainstack doctor`)."""
+def _release(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def test_this_torch_has_exactly_the_features_its_release_is_in_the_range_of() -> None:
+    """Each feature says which torch releases have it (read in each release's source)
+    and what trainstack does without it (`trainstack doctor`); the installed torch has
+    exactly those whose range it is in."""
     found = torch_private.features()
     assert len({f.name for f in found}) == len(found)
+    installed = _release(torch.__version__)
     for f in found:
         assert re.fullmatch(r"2\.\d+", f.since) and f.uses and f.fallback and f.torch_name, f
-        assert f.available, f"{f.name} ({f.torch_name}) missing from torch {torch.__version__}"
+        within = _release(f.since) <= installed and (
+            f.until is None or installed <= _release(f.until)
+        )
+        assert f.available == within, f"{f.name} ({f.torch_name}) on torch {torch.__version__}"
         assert torch_private.feature(f.name) is f
 
 
@@ -466,7 +476,29 @@ class _QuietWarmup(torch_private.WarmupWithoutSelfSends, _Warmup):
 @pytest.mark.usefixtures("one_rank")
 def test_the_links_are_warmed_up_without_sends_to_this_rank() -> None:
     assert [op.peer for op in _QuietWarmup()._get_init_p2p_neighbors_ops()] == [1, 1]
-    assert torch_private.feature("stage_warmup").available
+
+
+def test_a_schedules_plan_is_read_as_compute_actions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's own `_Action`s (their kinds' values differ before and after 2.11), sends,
+    receives and a None slot left out; a schedule without a plan gives None."""
+    from torch.distributed.pipelining import schedules
+
+    act = schedules._Action
+    plan = {
+        0: [act(0, schedules.FORWARD, 0), None, act(0, schedules.SEND_F, 0)],
+        1: [act(1, schedules.FULL_BACKWARD, 0), act(1, schedules.BACKWARD_INPUT, 1)],
+        2: [act(2, schedules.BACKWARD_WEIGHT, 1)],
+    }
+    schedule = SimpleNamespace(pipeline_order=plan)
+    assert torch_private.schedule_compute_actions(schedule) == {
+        0: [("F", 0, 0)],
+        1: [("B", 1, 0), ("I", 1, 1)],
+        2: [("W", 2, 1)],
+    }
+    assert torch_private.schedule_compute_actions(SimpleNamespace()) is None
+    assert torch_private.feature("schedule_plan").available
+    monkeypatch.delattr(schedules, "FULL_BACKWARD")
+    assert not torch_private.feature("schedule_plan").available
 
 
 # ---- DeviceMesh._flatten's public stand-in -------------------------------------------------

@@ -24,6 +24,8 @@ What each is for, and what trainstack does without it (the table `_FEATURES` bel
   their local slices; else the parameters are removed and registered again.
 - `stage_shape_inference`: the pipeline stage's shape-inference methods, wrapped so
   they leave the buffers and the random generators as they were; else left alone.
+- `schedule_plan`: a multi-stage schedule's plan (`pipeline_order`, torch's `_Action`s),
+  replayed for the ideal bubble; else that figure is NaN.
 - `stage_warmup`: the pipeline stage's warm-up of its links (torch 2.11 and before),
   without the sends of a rank to itself that gloo refuses; else torch's own.
 
@@ -60,6 +62,8 @@ class TorchFeature:
     fallback: str
     """What trainstack does on a torch without it (`refused ...` where nothing can stand
     in: pre-flight refuses what needs it)."""
+    until: str | None = None
+    """The last torch release that has it (None: every one since)."""
     check: Callable[[], bool]
     """Whether the installed torch has it."""
 
@@ -130,6 +134,13 @@ def _has_ddp_ignore() -> bool:
     from torch.nn.parallel import DistributedDataParallel
 
     return hasattr(DistributedDataParallel, "_set_params_and_buffers_to_ignore_for_model")
+
+
+def _has_schedule_plan() -> bool:
+    from torch.distributed.pipelining import schedules
+
+    constants = ("FORWARD", "FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT")
+    return all(hasattr(schedules, name) for name in constants)
 
 
 def _has_cpu_attention_ops() -> bool:
@@ -203,11 +214,20 @@ TORCH_FEATURES: tuple[TorchFeature, ...] = (
         check=_has_stage_shape_inference,
     ),
     TorchFeature(
+        name="schedule_plan",
+        uses="the ideal bubble of a multi-stage schedule, replayed from its own plan",
+        torch_name="PipelineScheduleMulti.pipeline_order (its _Action entries)",
+        since="2.11",
+        fallback="the ideal bubble of a multi-stage schedule reported as NaN",
+        check=_has_schedule_plan,
+    ),
+    TorchFeature(
         name="stage_warmup",
         uses="a V schedule's stages warm up their links without a rank sending to itself",
         torch_name="PipelineStage._get_init_p2p_neighbors_ops",
         since="2.11",
-        fallback="torch's own warm-up (which 2.12+ does otherwise, without it)",
+        fallback="torch's own warm-up (2.12 on: a vote that never calls it; 2.15: gone)",
+        until="2.14",
         check=lambda: _stage_has("_get_init_p2p_neighbors_ops"),
     ),
 )
@@ -372,6 +392,40 @@ def _register_in_order(
             delattr(module, name)
     for name, param in params.items():
         module.register_parameter(name, param)
+
+
+# ---- a pipeline schedule's plan ----------------------------------------------------------
+
+
+def schedule_compute_actions(schedule: Any) -> dict[int, list[tuple[str, int, int]]] | None:
+    """A torch multi-stage schedule's plan, rank by rank, its compute actions only, in
+    order: (kind, stage, micro-batch), kind F (forward), B (full backward), I (backward
+    for inputs) or W (backward for weights). Read from the schedule's `pipeline_order`,
+    whose actions are torch's private `_Action`s (compared with the module's public
+    constants: their values changed in 2.11); None where the schedule keeps no plan."""
+    from torch.distributed.pipelining import schedules
+
+    plan = getattr(schedule, "pipeline_order", None)
+    if not isinstance(plan, dict):
+        return None
+    kinds = {
+        schedules.FORWARD: "F",
+        schedules.FULL_BACKWARD: "B",
+        schedules.BACKWARD_INPUT: "I",
+        schedules.BACKWARD_WEIGHT: "W",
+    }
+    orders: dict[int, list[tuple[str, int, int]]] = {}
+    for rank, actions in plan.items():
+        flat = []
+        for action in actions:
+            if action is None:
+                continue
+            for part in getattr(action, "sub_actions", None) or (action,):
+                kind = kinds.get(part.computation_type)
+                if kind is not None:
+                    flat.append((kind, part.stage_index, part.microbatch_index))
+        orders[rank] = flat
+    return orders
 
 
 # ---- pipeline stages' shape inference ----------------------------------------------------

@@ -34,7 +34,8 @@ last stage; then gradients are made whole and the optimizer steps on every rank:
    one all-reduce per step.
 2. Gradients are averaged over the replicas with one flat all-reduce per rank: an
    explicit reduction after the schedule, because DDP or FSDP wrapped around stage
-   modules is wrong or fails under several schedules.
+   modules is wrong or fails under several schedules. The schedule leaves the
+   micro-batches' gradients summed; they are divided into their mean here too.
 3. The global gradient norm (each tied parameter counted once) is summed over the
    pipeline, clipped as `clip_grad_norm_` does, and every rank steps its optimizer.
 
@@ -51,6 +52,7 @@ Schedules: `gpipe`, `1f1b`, `interleaved` (Interleaved1F1B), `zb_interleaved`
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,6 +67,7 @@ from torch.distributed.pipelining import schedules
 from torch.distributed.tensor import DTensor
 
 from trainstack.checkpoint import Checkpoint, rank_file, stage_file
+from trainstack.compat import torch_private
 from trainstack.config import JobConfig, config_from_dict
 from trainstack.data.sharding import Batch
 from trainstack.models import block_classes
@@ -103,7 +106,6 @@ from trainstack.strategies.pipeline_probe import (
     first_replica_figures,
     simulated_bubble,
     single_stage_orders,
-    torch_schedule_orders,
 )
 from trainstack.strategies.pipeline_split import (
     ModelNames,
@@ -276,6 +278,7 @@ class PipelineStrategy:
             first,
             n_microbatches=self.cfg.strategy.microbatches,
             loss_fn=self.task.pipeline_loss,
+            scale_grads=False,  # train_step averages them, once whole
         )
         lr = scaled_lr(self.cfg.optim, data_parallel_size=self.dp_size)
         self.optimizer = build_optimizer(self.unwrapped_model(), self.cfg.optim, lr=lr)
@@ -334,6 +337,7 @@ class PipelineStrategy:
         self._sum_tied_gradients()
         self._average_over_replicas()
         finish_pending_sums(self._params())
+        self._average_over_microbatches()
         grad_norm = self._clip_gradients()
         lr = float(self.scheduler.get_last_lr()[0])
         self.optimizer.step()
@@ -379,6 +383,14 @@ class PipelineStrategy:
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+
+    def _average_over_microbatches(self) -> None:
+        """The schedule sums the micro-batches' gradients; their mean, taken on each
+        rank's part once no gradient is a pending sum (torch 2.10's schedule divided a
+        pending sum in place, which its DTensor refuses)."""
+        for p in self._params():
+            if p.grad is not None:
+                local_part(p.grad).div_(self.cfg.strategy.microbatches)
 
     def _clip_gradients(self) -> float:
         """Clip by the norm of the whole model's gradient, as `clip_grad_norm_` would: a
@@ -518,7 +530,10 @@ class PipelineStrategy:
                 s.schedule, pp_size=self.pp_size, microbatches=s.microbatches
             )
         else:
-            orders = torch_schedule_orders(getattr(self.schedule, "pipeline_order"))  # noqa: B009
+            plan = torch_private.schedule_compute_actions(self.schedule)
+            if plan is None:
+                return math.nan
+            orders = plan
         return simulated_bubble(orders, num_stages=self.num_stages)
 
     # ---- state --------------------------------------------------------------------------

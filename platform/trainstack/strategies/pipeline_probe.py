@@ -202,23 +202,6 @@ def single_stage_orders(
     return orders
 
 
-def torch_schedule_orders(pipeline_order: dict[int, list[Any]]) -> dict[int, list[Action]]:
-    """A torch multi-stage schedule's `pipeline_order`, compute actions only."""
-    kinds = {"F": "F", "B": "B", "I": "I", "W": "W"}
-    orders: dict[int, list[Action]] = {}
-    for rank, actions in pipeline_order.items():
-        flat = []
-        for action in actions:
-            if action is None:
-                continue
-            for part in action.sub_actions or (action,):
-                kind = kinds.get(part.computation_type.value)
-                if kind is not None:
-                    flat.append((kind, part.stage_index, part.microbatch_index))
-        orders[rank] = flat
-    return orders
-
-
 def simulated_bubble(orders: dict[int, list[Action]], *, num_stages: int) -> float:
     """Mean idle fraction of the ranks when each runs its actions in order, each action
     starting once its rank is free and its inputs exist, with ACTION_COSTS durations."""
