@@ -135,6 +135,40 @@ test-fast: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(call WITH_MYPY,tests/dist tests/unit -m "not slow" -n auto --dist loadfile)
 
+# The compatibility lane: tests/compat/smoke.txt's tests again in a venv of every floor
+# (requirements/floor.lock) and, their [gloo] part, in one of the newest torch
+# (requirements/torch-top.lock), each printing `trainstack doctor`'s table of what it runs.
+# The two run side by side, the newest torch's at nice 19 (as `make test`'s lanes), its log
+# printed after. Measured: docs/installing.md.
+COMPAT := .cache/compat
+
+# A venv of exactly a lock file's versions, its own torch among them, and trainstack
+# editable.
+$(COMPAT)/%/.installed: requirements/%.lock pyproject.toml | $(STAMP)
+	rm -rf $(COMPAT)/$*
+	$(PYTHON) -m venv $(COMPAT)/$*
+	$(UV) pip install -q --python $(COMPAT)/$*/bin/python -r $<
+	$(UV) pip install -q --python $(COMPAT)/$*/bin/python --no-deps -e .
+	touch $@
+
+# $(call COMPAT_RUN,venv,kinds): pytest on the smoke's lines of those kinds (a pytest
+# argument file), DeepSpeed's ops and inductor's kernels in caches of the venv's own torch.
+COMPAT_RUN = sed -n 's/^\[\($(2)\)\] //p' tests/compat/smoke.txt > $(COMPAT)/$(1).args; \
+	export TORCH_EXTENSIONS_DIR=$(CURDIR)/$(COMPAT)/$(1)/torch_extensions \
+	  TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/$(COMPAT)/$(1)/torchinductor; \
+	$(COMPAT)/$(1)/bin/trainstack doctor | sed -n '/^libraries here/,/^$$/p'; \
+	$(COMPAT)/$(1)/bin/python -m pytest -p no:cacheprovider @$(COMPAT)/$(1).args
+
+test-compat: $(COMPAT)/floor/.installed $(COMPAT)/torch-top/.installed
+	nice -n 19 bash -eu -o pipefail -c "$(call COMPAT_RUN,torch-top,gloo)" \
+	  > $(COMPAT)/torch-top.log 2>&1 & top=$$!; \
+	  echo "make: the floors' venv; the newest torch's runs beside it, its log follows"; \
+	  floor=0; $(call COMPAT_RUN,floor,gloo\|ray) || floor=$$?; \
+	  top_rc=0; wait $$top || top_rc=$$?; \
+	  echo "make: the newest torch (exit $$top_rc):"; cat $(COMPAT)/torch-top.log; \
+	  echo "make: floors exit $$floor, newest torch exit $$top_rc"; \
+	  test $$floor -eq 0 && test $$top_rc -eq 0
+
 # trainstack's Grafana dashboard into the newest Ray session's provisioning (ray start first).
 grafana: $(STAMP)
 	$(PY) dashboards/provision.py

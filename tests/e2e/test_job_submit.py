@@ -11,6 +11,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -57,8 +58,8 @@ def auth() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def head_node(auth: dict[str, str]) -> Iterator[HeadNode]:
-    """A one-node Ray cluster on loopback, every port chosen by Ray (0: "allocate an
-    available port"). `ray start --block` runs in its own process group and a temporary
+    """A one-node Ray cluster on loopback, every port but the dashboard agent's (see
+    `free_port`) chosen by Ray (0: "allocate an available port"). `ray start --block` runs in its own process group and a temporary
     directory of its own (so no other Ray on this machine finds it, nor it theirs); ending
     that process stops the node, and nothing of it may be left."""
     temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's sockets live here
@@ -68,7 +69,8 @@ def head_node(auth: dict[str, str]) -> Iterator[HeadNode]:
             [
                 *(str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1"),
                 *("--port=0", "--dashboard-host=127.0.0.1", "--dashboard-port=0"),
-                *("--dashboard-agent-listen-port=0", "--num-cpus=2", "--disable-usage-stats"),
+                f"--dashboard-agent-listen-port={free_port()}",
+                *("--num-cpus=2", "--disable-usage-stats"),
                 f"--temp-dir={temp_dir}",
             ],
             cwd=ROOT,
@@ -88,6 +90,16 @@ def head_node(auth: dict[str, str]) -> Iterator[HeadNode]:
         yield HeadNode(address=address[1], session=session)
     finally:
         stop_head(head, temp_dir)
+
+
+def free_port() -> int:
+    """A port free on loopback now. The dashboard agent's port is chosen so, not left to
+    Ray (0): Ray 2.51's job API cannot reach an agent that picked its own port (a job's
+    log ends at once, unread), and the default port is taken by any other Ray here."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
 
 
 def started_output(head: subprocess.Popen[bytes], log_path: Path) -> str:
