@@ -26,8 +26,11 @@ What each is for, and what trainstack does without it (the table `_FEATURES` bel
   they leave the buffers and the random generators as they were; else left alone.
 - `schedule_plan`: a multi-stage schedule's plan (`pipeline_order`, torch's `_Action`s),
   replayed for the ideal bubble; else that figure is NaN.
-- `stage_warmup`: the pipeline stage's warm-up of its links (torch 2.11 and before),
-  without the sends of a rank to itself that gloo refuses; else torch's own.
+- `stage_warmup`: the pipeline stage's warm-up of its links (torch 2.9 to 2.11), made
+  one gloo can run (no sends of a rank to itself, float32 throughout); else torch's own.
+
+- `zbv_on_gloo`, public: the zbv schedule on gloo, which torch 2.9 cannot run; refused
+  by pre-flight there.
 
 No longer used, because trainstack computes it: a strided shard's offsets
 (`_StridedShardOffsetMode`, torch 2.13+; checkpoint/blocks.py's own arithmetic, tested
@@ -57,13 +60,16 @@ class TorchFeature:
     torch_name: str
     """Where torch keeps it."""
     since: str
-    """The first torch release that has it (`2.11`, the oldest trainstack runs on, for
+    """The first torch release that has it (`2.9`, the oldest trainstack runs on, for
     what is older)."""
     fallback: str
     """What trainstack does on a torch without it (`refused ...` where nothing can stand
     in: pre-flight refuses what needs it)."""
     until: str | None = None
     """The last torch release that has it (None: every one since)."""
+    private: bool = True
+    """Reached through a name outside torch's public API (else: a public API or a
+    behaviour that not every supported release has)."""
     check: Callable[[], bool]
     """Whether the installed torch has it."""
 
@@ -147,12 +153,17 @@ def _has_cpu_attention_ops() -> bool:
     return all(hasattr(torch.ops.aten, op) for op in _CPU_ATTENTION_OPS)
 
 
+def _release() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
 TORCH_FEATURES: tuple[TorchFeature, ...] = (
     TorchFeature(
         name="strided_shard",
         uses="tensor parallelism of MoE experts with a packed gate_up_proj; their checkpoints",
         torch_name="torch.distributed.tensor.placement_types._StridedShard",
-        since="2.11",
+        since="2.9",
         fallback="refused by pre-flight (strategy.tensor_parallel=1 for such experts)",
         check=_importable("torch.distributed.tensor.placement_types", "_StridedShard"),
     ),
@@ -160,7 +171,7 @@ TORCH_FEATURES: tuple[TorchFeature, ...] = (
         name="dispatch_mode",
         uses="fsdp counts the bytes its collectives send in its first step",
         torch_name="torch.utils._python_dispatch.TorchDispatchMode",
-        since="2.11",
+        since="2.9",
         fallback="fsdp's bytes on the wire modelled (ring collectives), not counted",
         check=_importable("torch.utils._python_dispatch", "TorchDispatchMode"),
     ),
@@ -168,7 +179,7 @@ TORCH_FEATURES: tuple[TorchFeature, ...] = (
         name="group_by_name",
         uses="the size of the group a functional collective names, for the count above",
         torch_name="torch.distributed.distributed_c10d._resolve_process_group",
-        since="2.11",
+        since="2.9",
         fallback="fsdp's bytes on the wire modelled (ring collectives), not counted",
         check=_importable("torch.distributed.distributed_c10d", "_resolve_process_group"),
     ),
@@ -176,7 +187,7 @@ TORCH_FEATURES: tuple[TorchFeature, ...] = (
         name="fake_tensors",
         uses="the FLOPs of a model built on meta (a pretrained one), counted without storage",
         torch_name="torch._subclasses.fake_tensor.FakeTensorMode",
-        since="2.11",
+        since="2.9",
         fallback="FLOPs of a model built on meta estimated as 6 x parameters per token",
         check=_importable("torch._subclasses.fake_tensor", "FakeTensorMode"),
     ),
@@ -184,7 +195,7 @@ TORCH_FEATURES: tuple[TorchFeature, ...] = (
         name="cpu_attention_ops",
         uses="FLOPs of the CPU attention kernel, counted for MFU",
         torch_name="torch.ops.aten._scaled_dot_product_flash_attention_for_cpu",
-        since="2.11",
+        since="2.9",
         fallback="attention's FLOPs on CPU left out of MFU",
         check=_has_cpu_attention_ops,
     ),
@@ -192,7 +203,7 @@ TORCH_FEATURES: tuple[TorchFeature, ...] = (
         name="ddp_ignore",
         uses="expert parallelism beside DDP: the experts stay out of DDP's reduction",
         torch_name="DistributedDataParallel._set_params_and_buffers_to_ignore_for_model",
-        since="2.11",
+        since="2.9",
         fallback="the experts taken out of the model while DDP is built",
         check=_has_ddp_ignore,
     ),
@@ -200,7 +211,7 @@ TORCH_FEATURES: tuple[TorchFeature, ...] = (
         name="module_parameters",
         uses="tensor parallelism's MoE experts run their own forward on their local slices",
         torch_name="torch.nn.Module._parameters",
-        since="2.11",
+        since="2.9",
         fallback="the parameters removed and registered again around each forward",
         check=lambda: _has_parameter_table(nn.Module()),
     ),
@@ -208,7 +219,7 @@ TORCH_FEATURES: tuple[TorchFeature, ...] = (
         name="stage_shape_inference",
         uses="a pipeline stage's shape inference leaves its buffers and the RNG as they were",
         torch_name="PipelineStage._forward_metadata_inference (2.12+) or ._shape_inference",
-        since="2.11",
+        since="2.9",
         fallback="the shape-inference forward moves batch-norm statistics (and, before "
         "2.12, the RNG)",
         check=_has_stage_shape_inference,
@@ -217,18 +228,28 @@ TORCH_FEATURES: tuple[TorchFeature, ...] = (
         name="schedule_plan",
         uses="the ideal bubble of a multi-stage schedule, replayed from its own plan",
         torch_name="PipelineScheduleMulti.pipeline_order (its _Action entries)",
-        since="2.11",
+        since="2.9",
         fallback="the ideal bubble of a multi-stage schedule reported as NaN",
         check=_has_schedule_plan,
     ),
     TorchFeature(
         name="stage_warmup",
-        uses="a V schedule's stages warm up their links without a rank sending to itself",
+        uses="pipeline stages warm up their links on gloo (no sends to itself, float32)",
         torch_name="PipelineStage._get_init_p2p_neighbors_ops",
-        since="2.11",
+        since="2.9",
         fallback="torch's own warm-up (2.12 on: a vote that never calls it; 2.15: gone)",
         until="2.14",
         check=lambda: _stage_has("_get_init_p2p_neighbors_ops"),
+    ),
+    TorchFeature(
+        name="zbv_on_gloo",
+        uses="strategy.schedule zbv on CPU workers (gloo)",
+        torch_name="torch.distributed.pipelining.ScheduleZBVZeroBubble",
+        since="2.10",
+        private=False,
+        fallback="refused by pre-flight: torch 2.9's zbv sends between its two stages on "
+        "one rank, which gloo cannot",
+        check=lambda: _release() >= (2, 10),
     ),
 )
 
@@ -463,19 +484,25 @@ class ShapeInferenceLeavesNoTrace:
         return outputs
 
 
-class WarmupWithoutSelfSends:
+class GlooWarmup:
     """A mixin for a `PipelineStage` subclass (put before it): before the first step
-    torch up to 2.11 warms up the links to each stage's neighbours with a send and a
-    receive, even where the neighbour sits on the same rank (a V schedule's two middle
-    stages), which gloo cannot do (`Pair is not connected`); those are left out here
-    (only links between two ranks need warming). torch 2.12+ warms up otherwise and
-    never calls this."""
+    torch 2.9 to 2.11 warms up the links to each stage's neighbours with a send and a
+    receive each; made here into one gloo can run. Sends to a neighbour on the same rank
+    (a V schedule's two middle stages) are left out, which gloo cannot do (`Pair is not
+    connected`; only links between two ranks need warming), and every send is float32,
+    as the receive expects (2.9 sent an int64 into a float32 buffer, on which gloo
+    aborts). torch 2.12+ warms up by a vote and never calls this; 2.15 has no such
+    method."""
 
     def _get_init_p2p_neighbors_ops(self) -> list[Any]:
         import torch.distributed as dist
 
         ops = super()._get_init_p2p_neighbors_ops()  # type: ignore[misc]
-        return [op for op in ops if op.peer != dist.get_rank()]
+        kept = [op for op in ops if op.peer != dist.get_rank()]
+        for op in kept:
+            if op.op is dist.isend:
+                op.tensor = op.tensor.to(torch.float32)
+        return kept
 
 
 def _buffer_values(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -136,16 +136,16 @@ def first_replica_figures(
 
 
 class ProbedStage(
-    torch_private.ShapeInferenceLeavesNoTrace, torch_private.WarmupWithoutSelfSends, PipelineStage
+    torch_private.ShapeInferenceLeavesNoTrace, torch_private.GlooWarmup, PipelineStage
 ):
     """A `PipelineStage` that adds up its compute seconds and meters its activations.
 
     At the first step torch infers the shapes passed between stages with one real
     forward (on empty tensors past the first stage, and a backward since torch 2.12);
     the stage's buffers (batch-norm statistics) and the random generators are as they
-    were before it once that is done (`torch_private.ShapeInferenceLeavesNoTrace`); the
-    links between stages are warmed up without a rank sending to itself, which gloo
-    cannot do (`torch_private.WarmupWithoutSelfSends`, for torch 2.11).
+    were before it once that is done (`torch_private.ShapeInferenceLeavesNoTrace`); on
+    torch 2.9 to 2.11 the links between stages are warmed up as gloo can
+    (`torch_private.GlooWarmup`).
     """
 
     def __init__(self, *args: Any, meter: SavedActivationMeter, **kwargs: Any) -> None:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainstack.compat import torch_private
 from trainstack.config import ConfigError, JobConfig
 from trainstack.models import pipeline_layers
 
@@ -109,6 +110,21 @@ class ModelNames:
         return names
 
 
+def check_schedule_runs_here(cfg: JobConfig) -> None:
+    """ConfigError (one line) for a torch schedule the installed torch cannot run on the
+    job's workers: zbv on CPU (gloo) before torch 2.10."""
+    s = cfg.strategy
+    cpu = not cfg.scaling.use_gpu
+    zbv = torch_private.feature("zbv_on_gloo")
+    if s.engine == "torch" and s.schedule == "zbv" and cpu and not zbv.available:
+        raise ConfigError(
+            zbv.refusal(
+                "strategy.schedule=zbv on CPU workers (gloo)",
+                instead="strategy.schedule=dualpipev, its V-shaped sibling",
+            )
+        )
+
+
 def check_pipeline_model(cfg: JobConfig, model: nn.Module) -> None:
     """Pre-flight for `strategy.kind: pipeline`: the model has pipeline layers, at least
     one per stage, and together they hold (and name) everything in its state_dict, so
@@ -117,6 +133,7 @@ def check_pipeline_model(cfg: JobConfig, model: nn.Module) -> None:
     Both engines can run any parameter tie between stages (DeepSpeed's as one
     `TiedLayerSpec` per tied parameter), so ties refuse nothing here.
     """
+    check_schedule_runs_here(cfg)
     layers = model_layers(model)
     p, v = cfg.strategy.stages, cfg.pipeline_virtual_stages
     if len(layers) < p * v:
