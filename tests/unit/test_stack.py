@@ -9,6 +9,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 from trainstack.stack import (
     DEPENDENCIES,
@@ -91,3 +93,18 @@ def test_a_jobs_runtime_env_installs_everything_but_holds_the_clusters_ray() -> 
     assert "transformers" not in {
         re.split(r"[\[<>=]", p)[0] for p in job_requirements(ray_version="2.58.1")
     }
+
+
+def test_the_floor_lane_installs_every_floor_exactly() -> None:
+    """requirements/floor.in (what `make test-compat` runs first) pins each library at
+    the floor of its range, so the floor the ranges declare is the one tested."""
+    pinned = {}
+    for line in (ROOT / "requirements" / "floor.in").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, version = line.split("==")
+            pinned[re.split(r"\[", name)[0]] = Version(version)
+    for dep in DEPENDENCIES:
+        if dep.needed_by == "gpu":  # CUDA only: no CPU lane can run it
+            continue
+        (floor,) = [Version(s.version) for s in SpecifierSet(dep.versions) if s.operator == ">="]
+        assert pinned[dep.name] == floor, dep.name
