@@ -510,7 +510,7 @@ def test_a_schedules_plan_is_read_as_compute_actions(monkeypatch: pytest.MonkeyP
     assert not torch_private.feature("schedule_plan").available
 
 
-def test_zbv_on_gloo_is_refused_in_one_line_where_torch_cannot_run_it(
+def test_schedules_this_torch_cannot_run_are_refused_in_one_line(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from trainstack.config import config_from_dict
@@ -527,16 +527,26 @@ def test_zbv_on_gloo_is_refused_in_one_line_where_torch_cannot_run_it(
             }
         )
 
-    assert torch_private.feature("zbv_on_gloo").available
-    check_schedule_runs_here(spec("zbv"))
+    if torch_private.feature("zbv_on_gloo").available:
+        check_schedule_runs_here(spec("zbv"))
     monkeypatch.setattr(torch_private, "_release", lambda: (2, 9))
     assert not torch_private.feature("zbv_on_gloo").available
     with pytest.raises(ConfigError) as refused:
         check_schedule_runs_here(spec("zbv"))
     line = str(refused.value)
     assert "\n" not in line and "torch>=2.10" in line and "dualpipev" in line, line
-    check_schedule_runs_here(spec("dualpipev"))  # the others run
+    check_schedule_runs_here(spec("zb_interleaved"))  # the others run
     check_schedule_runs_here(spec("zbv", use_gpu=True))  # NCCL takes a rank's own sends
+    from torch.distributed.pipelining import schedules
+
+    if torch_private.feature("dualpipev").available:
+        check_schedule_runs_here(spec("dualpipev"))
+        monkeypatch.delattr(schedules, "ScheduleDualPipeV")
+    assert not torch_private.feature("dualpipev").available
+    with pytest.raises(ConfigError) as refused:
+        check_schedule_runs_here(spec("dualpipev"))
+    line = str(refused.value)
+    assert "\n" not in line and "torch>=2.9" in line and "ScheduleDualPipeV" in line, line
 
 
 # ---- DeviceMesh._flatten's public stand-in -------------------------------------------------

@@ -29,8 +29,8 @@ What each is for, and what trainstack does without it (the table `_FEATURES` bel
 - `stage_warmup`: the pipeline stage's warm-up of its links (torch 2.9 to 2.11), made
   one gloo can run (no sends of a rank to itself, float32 throughout); else torch's own.
 
-- `zbv_on_gloo`, public: the zbv schedule on gloo, which torch 2.9 cannot run; refused
-  by pre-flight there.
+- `dualpipev` and `zbv_on_gloo`, public: the dualpipev schedule (torch 2.9+) and the zbv
+  schedule on gloo, which torch 2.9 cannot run; refused by pre-flight where missing.
 
 No longer used, because trainstack computes it: a strided shard's offsets
 (`_StridedShardOffsetMode`, torch 2.13+; checkpoint/blocks.py's own arithmetic, tested
@@ -240,6 +240,15 @@ TORCH_FEATURES: tuple[TorchFeature, ...] = (
         fallback="torch's own warm-up (2.12 on: a vote that never calls it; 2.15: gone)",
         until="2.14",
         check=lambda: _stage_has("_get_init_p2p_neighbors_ops"),
+    ),
+    TorchFeature(
+        name="dualpipev",
+        uses="strategy.schedule dualpipev",
+        torch_name="torch.distributed.pipelining.ScheduleDualPipeV",
+        since="2.9",
+        private=False,
+        fallback="refused by pre-flight",
+        check=_importable("torch.distributed.pipelining.schedules", "ScheduleDualPipeV"),
     ),
     TorchFeature(
         name="zbv_on_gloo",

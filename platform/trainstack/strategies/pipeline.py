@@ -126,15 +126,16 @@ from trainstack.tasks import EvalSums, build_task, eval_mode, evaluate
 
 Schedule = schedules.PipelineScheduleSingle | schedules.PipelineScheduleMulti
 
-SCHEDULES: dict[str, tuple[Callable[..., Schedule], str]] = {
+SCHEDULES: dict[str, tuple[Callable[..., Schedule] | None, str]] = {
     "gpipe": (schedules.ScheduleGPipe, "loop"),
     "1f1b": (schedules.Schedule1F1B, "loop"),
     "interleaved": (schedules.ScheduleInterleaved1F1B, "loop"),
     "zb_interleaved": (schedules.ScheduleInterleavedZeroBubble, "loop"),
     "zbv": (schedules.ScheduleZBVZeroBubble, "v"),
-    "dualpipev": (schedules.ScheduleDualPipeV, "v"),
+    "dualpipev": (getattr(schedules, "ScheduleDualPipeV", None), "v"),  # torch 2.9+
 }
-"""Schedule name -> (torch schedule class, stage placement style)."""
+"""Schedule name -> (torch schedule class, None where this torch has none: pre-flight
+refuses it, `pipeline_split.check_schedule_runs_here`; stage placement style)."""
 
 _SINGLE_STAGE = ("gpipe", "1f1b")
 
@@ -273,6 +274,7 @@ class PipelineStrategy:
             for s, module in self.modules.items()
         ]
         schedule_class = SCHEDULES[self.cfg.strategy.schedule][0]
+        assert schedule_class is not None, "pre-flight refuses a schedule torch lacks"
         first = self.stages[0] if self.cfg.strategy.schedule in _SINGLE_STAGE else self.stages
         self.schedule = schedule_class(
             first,

@@ -112,15 +112,22 @@ class ModelNames:
 
 def check_schedule_runs_here(cfg: JobConfig) -> None:
     """ConfigError (one line) for a torch schedule the installed torch cannot run on the
-    job's workers: zbv on CPU (gloo) before torch 2.10."""
+    job's workers: dualpipev before torch 2.9, zbv on CPU (gloo) before 2.10."""
     s = cfg.strategy
-    cpu = not cfg.scaling.use_gpu
+    if s.engine != "torch":
+        return
+    dualpipev = torch_private.feature("dualpipev")
+    if s.schedule == "dualpipev" and not dualpipev.available:
+        raise ConfigError(
+            dualpipev.refusal("strategy.schedule=dualpipev", instead="strategy.schedule=zbv")
+        )
     zbv = torch_private.feature("zbv_on_gloo")
-    if s.engine == "torch" and s.schedule == "zbv" and cpu and not zbv.available:
+    if s.schedule == "zbv" and not cfg.scaling.use_gpu and not zbv.available:
+        sibling = "dualpipev" if dualpipev.available else "zb_interleaved"
         raise ConfigError(
             zbv.refusal(
                 "strategy.schedule=zbv on CPU workers (gloo)",
-                instead="strategy.schedule=dualpipev, its V-shaped sibling",
+                instead=f"strategy.schedule={sibling}",
             )
         )
 
