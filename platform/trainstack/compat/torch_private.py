@@ -7,7 +7,7 @@ them the installed torch has (for `trainstack doctor`); a feature with no fallba
 refused before Ray starts by the pre-flight check of what needs it, naming the torch it
 needs (`TorchFeature.refusal`).
 
-What each is for, and what trainstack does without it (the table `_FEATURES` below):
+What each is for, and what trainstack does without it (the table `TORCH_FEATURES`):
 
 - `strided_shard`: `_StridedShard`, tensor parallelism's packed MoE experts
   (strategies/tensor_parallel.py) and the blocks of checkpoint/blocks.py; without it the
@@ -28,7 +28,6 @@ What each is for, and what trainstack does without it (the table `_FEATURES` bel
   replayed for the ideal bubble; else that figure is NaN.
 - `stage_warmup`: the pipeline stage's warm-up of its links (torch 2.9 to 2.11), made
   one gloo can run (no sends of a rank to itself, float32 throughout); else torch's own.
-
 - `dualpipev` and `zbv_on_gloo`, public: the dualpipev schedule (torch 2.9+) and the zbv
   schedule on gloo, which torch 2.9 cannot run; refused by pre-flight where missing.
 
@@ -52,7 +51,8 @@ from torch import nn
 
 @dataclass(frozen=True, kw_only=True)
 class TorchFeature:
-    """Something trainstack uses that is outside torch's public API."""
+    """Something trainstack uses that not every supported torch has: a name outside
+    torch's public API (`private`), or a public one newer than the oldest release."""
 
     name: str
     uses: str
@@ -60,7 +60,7 @@ class TorchFeature:
     torch_name: str
     """Where torch keeps it."""
     since: str
-    """The first torch release that has it (`2.9`, the oldest trainstack runs on, for
+    """The first torch release that has it (`2.8`, the oldest trainstack runs on, for
     what is older)."""
     fallback: str
     """What trainstack does on a torch without it (`refused ...` where nothing can stand
@@ -163,7 +163,7 @@ TORCH_FEATURES: tuple[TorchFeature, ...] = (
         name="strided_shard",
         uses="tensor parallelism of MoE experts with a packed gate_up_proj; their checkpoints",
         torch_name="torch.distributed.tensor.placement_types._StridedShard",
-        since="2.9",
+        since="2.8",
         fallback="refused by pre-flight (strategy.tensor_parallel=1 for such experts)",
         check=_importable("torch.distributed.tensor.placement_types", "_StridedShard"),
     ),
@@ -171,7 +171,7 @@ TORCH_FEATURES: tuple[TorchFeature, ...] = (
         name="dispatch_mode",
         uses="fsdp counts the bytes its collectives send in its first step",
         torch_name="torch.utils._python_dispatch.TorchDispatchMode",
-        since="2.9",
+        since="2.8",
         fallback="fsdp's bytes on the wire modelled (ring collectives), not counted",
         check=_importable("torch.utils._python_dispatch", "TorchDispatchMode"),
     ),
@@ -179,7 +179,7 @@ TORCH_FEATURES: tuple[TorchFeature, ...] = (
         name="group_by_name",
         uses="the size of the group a functional collective names, for the count above",
         torch_name="torch.distributed.distributed_c10d._resolve_process_group",
-        since="2.9",
+        since="2.8",
         fallback="fsdp's bytes on the wire modelled (ring collectives), not counted",
         check=_importable("torch.distributed.distributed_c10d", "_resolve_process_group"),
     ),
@@ -187,7 +187,7 @@ TORCH_FEATURES: tuple[TorchFeature, ...] = (
         name="fake_tensors",
         uses="the FLOPs of a model built on meta (a pretrained one), counted without storage",
         torch_name="torch._subclasses.fake_tensor.FakeTensorMode",
-        since="2.9",
+        since="2.8",
         fallback="FLOPs of a model built on meta estimated as 6 x parameters per token",
         check=_importable("torch._subclasses.fake_tensor", "FakeTensorMode"),
     ),
@@ -195,7 +195,7 @@ TORCH_FEATURES: tuple[TorchFeature, ...] = (
         name="cpu_attention_ops",
         uses="FLOPs of the CPU attention kernel, counted for MFU",
         torch_name="torch.ops.aten._scaled_dot_product_flash_attention_for_cpu",
-        since="2.9",
+        since="2.8",
         fallback="attention's FLOPs on CPU left out of MFU",
         check=_has_cpu_attention_ops,
     ),
@@ -203,7 +203,7 @@ TORCH_FEATURES: tuple[TorchFeature, ...] = (
         name="ddp_ignore",
         uses="expert parallelism beside DDP: the experts stay out of DDP's reduction",
         torch_name="DistributedDataParallel._set_params_and_buffers_to_ignore_for_model",
-        since="2.9",
+        since="2.8",
         fallback="the experts taken out of the model while DDP is built",
         check=_has_ddp_ignore,
     ),
@@ -211,7 +211,7 @@ TORCH_FEATURES: tuple[TorchFeature, ...] = (
         name="module_parameters",
         uses="tensor parallelism's MoE experts run their own forward on their local slices",
         torch_name="torch.nn.Module._parameters",
-        since="2.9",
+        since="2.8",
         fallback="the parameters removed and registered again around each forward",
         check=lambda: _has_parameter_table(nn.Module()),
     ),
@@ -219,7 +219,7 @@ TORCH_FEATURES: tuple[TorchFeature, ...] = (
         name="stage_shape_inference",
         uses="a pipeline stage's shape inference leaves its buffers and the RNG as they were",
         torch_name="PipelineStage._forward_metadata_inference (2.12+) or ._shape_inference",
-        since="2.9",
+        since="2.8",
         fallback="the shape-inference forward moves batch-norm statistics (and, before "
         "2.12, the RNG)",
         check=_has_stage_shape_inference,
@@ -228,7 +228,7 @@ TORCH_FEATURES: tuple[TorchFeature, ...] = (
         name="schedule_plan",
         uses="the ideal bubble of a multi-stage schedule, replayed from its own plan",
         torch_name="PipelineScheduleMulti.pipeline_order (its _Action entries)",
-        since="2.9",
+        since="2.8",
         fallback="the ideal bubble of a multi-stage schedule reported as NaN",
         check=_has_schedule_plan,
     ),
