@@ -132,7 +132,7 @@ def _opened_by_file(
 
 def _slice_reader(folder: Path) -> Any:
     """A `SliceReader` (defined here: torch.distributed.checkpoint loads on first use)."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata,
         Metadata,
@@ -142,9 +142,11 @@ def _slice_reader(folder: Path) -> Any:
         TensorStorageMetadata,
     )
 
-    class SliceReader(HuggingFaceStorageReader):
-        """DCP's Hugging Face reader, planning from this module's headers (`SavedAt`
-        as each tensor's storage data) and reading with `read_slice`."""
+    class SliceReader(FileSystemReader):
+        """DCP's reader of a folder, planning from this module's headers (`SavedAt` as
+        each tensor's storage data) and reading with `read_slice`: what DCP's
+        `HuggingFaceStorageReader` (a FileSystemReader too, public from torch 2.8)
+        reads, on any torch."""
 
         def read_metadata(self) -> Metadata:
             saved = saved_tensors(folder)
