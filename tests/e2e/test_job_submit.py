@@ -59,9 +59,10 @@ def auth() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def head_node(auth: dict[str, str]) -> Iterator[HeadNode]:
     """A one-node Ray cluster on loopback, every port but the dashboard agent's (see
-    `free_port`) chosen by Ray (0: "allocate an available port"). `ray start --block` runs in its own process group and a temporary
-    directory of its own (so no other Ray on this machine finds it, nor it theirs); ending
-    that process stops the node, and nothing of it may be left."""
+    `free_port`) chosen by Ray (0: "allocate an available port"). `ray start --block` runs
+    in its own process group and a temporary directory of its own (so no other Ray on this
+    machine finds it, nor it theirs); ending that process stops the node, and nothing of it
+    may be left."""
     temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's sockets live here
     log_path = temp_dir / "ray-start.log"
     with log_path.open("w") as log:
