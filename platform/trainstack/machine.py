@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from trainstack.compat.ray_private import embedded_ray_cpus
+from trainstack.compat.ray import embedded_ray_cpus
 
 
 def local_cpus() -> float:

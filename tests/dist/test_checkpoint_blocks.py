@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from trainstack.checkpoint.blocks import as_blocks, held_indices, local_blocks
-from trainstack.compat.torch_private import strided_shard
+from trainstack.compat.torch import strided_shard
 from trainstack.runtime.gloo_processes import rendezvous
 
 PACKED = strided_shard(1, split_factor=2)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from trainstack import checkpoint as ckpt
-from trainstack.compat import torch_private
+from trainstack.compat import torch as torch_compat
 from trainstack.config import config_from_dict
 from trainstack.planner.choose import layout_of
 from trainstack.planner.memory import model_state_bytes
@@ -272,7 +272,7 @@ def test_multi_stage_schedules_drive_sharded_replicas(
     """Two stages per rank, placed in a loop (interleaved 1F1B) or as a V whose two
     directions run at once (DualPipeV): torch's schedules unshard, reshard and reduce the
     FSDP stages themselves, and the result is one process's."""
-    if schedule == "dualpipev" and not torch_private.feature("dualpipev").available:
+    if schedule == "dualpipev" and not torch_compat.feature("dualpipev").available:
         pytest.skip(f"torch {torch.__version__} has no ScheduleDualPipeV (pre-flight refuses it)")
     weights, _ = train(tmp_path / schedule, f"pp2xfsdp2-{schedule}", **FOUR_LAYERS)
     assert max_difference(weights, four_layer_reference) < FP64_BOUND

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from trainstack.checkpoint import pretrained
 from trainstack.checkpoint.pretrained import SINGLE_FILE
-from trainstack.compat import torch_private
+from trainstack.compat import torch as torch_compat
 from trainstack.config import config_from_dict
 from trainstack.models.on_meta import has_meta_parameters
 from trainstack.runtime.gloo_processes import rendezvous, run_processes
@@ -263,7 +263,7 @@ def test_zbv_stages_on_one_rank_both_read_their_copy_of_the_tie(
 ) -> None:
     """ZBV: rank 0 holds the embedding's stage and the head's, rank 1 the two blocks;
     every stage's weights are the folder's (the head's copy is the saved embedding)."""
-    if not torch_private.feature("zbv_on_gloo").available:
+    if not torch_compat.feature("zbv_on_gloo").available:
         pytest.skip(f"torch {torch.__version__} runs no zbv on gloo (pre-flight refuses it)")
     saved = {k: v for f in folder.glob("*.safetensors") for k, v in load_file(f).items()}
     saved["lm_head.weight"] = saved["model.embed_tokens.weight"]

@@ -29,7 +29,8 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 from ray.util.placement_group import placement_group, placement_group_table
 
 from trainstack import checkpoint as ckpt
-from trainstack.compat.ray_private import own_instance_cleaner_class
+from trainstack.compat.ray import own_instance_cleaner_class
+from trainstack.cli.probe import job_client
 from trainstack.config import config_to_dict, load_config
 from trainstack.runtime.gloo_processes import run_processes
 
@@ -133,9 +134,11 @@ def stop_head(head: subprocess.Popen[bytes], temp_dir: Path) -> None:
 
 
 def job_api(head_node: HeadNode, auth: dict[str, str]) -> JobSubmissionClient:
-    """The cluster's Job API as a user's script reaches it, with the cluster's token."""
+    """The cluster's Job API as a user's script reaches it, with the cluster's token: at
+    the address given, which Ray's client would trade for a `RAY_ADDRESS` an earlier test's
+    Ray left in this process (trainstack's `job_client` keeps it)."""
     token = {"Authorization": f"Bearer {auth['RAY_AUTH_TOKEN']}"}
-    return JobSubmissionClient(head_node.address, headers=token)
+    return job_client(head_node.address, headers=token)
 
 
 def until(condition: Callable[[], object]) -> None:

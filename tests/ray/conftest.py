@@ -17,7 +17,7 @@ def state_api_of_no_other_instance() -> Iterator[None]:
     Ray instance on this machine, which may be another process's (that one does not know
     the controller, and the cleaner ends or removes the live run's placement group).
     trainstack's trainer gives its cleaner its own instance's address
-    (`compat.ray_private.own_instance_cleaner_class`); this setting, which wins over that
+    (`compat.ray.own_instance_cleaner_class`); this setting, which wins over that
     address, keeps any cleaner of a run here from asking anyone, as on a dashboard-less
     instance alone on the machine: it keeps waiting (these runs end normally, and a run
     that ends normally removes its group itself).

@@ -14,6 +14,7 @@ import pytest
 
 import trainstack.stack
 from trainstack.cli.app import main
+from trainstack.cli.probe import job_client
 from trainstack.cli.submit import dependency_env
 from trainstack.config import ConfigError, config_from_dict
 from trainstack.runtime.cluster import version_mismatch
@@ -133,3 +134,15 @@ def test_a_cluster_of_another_ray_is_refused_in_one_line_naming_both() -> None:
         "on Python 3.11.7"
     )
     assert "trainstack submit" in line
+
+
+def test_the_job_client_asks_the_address_given_over_a_leftover_ray_address(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ray's client trades the address it is handed for `$RAY_ADDRESS`; trainstack's asks
+    the one given (nothing listens on either port: the error names the one it tried) and
+    leaves the environment as it was."""
+    monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:9")
+    with pytest.raises(ConnectionError, match=r"127\.0\.0\.1:7\b"):
+        job_client("http://127.0.0.1:7")
+    assert os.environ["RAY_ADDRESS"] == "http://127.0.0.1:9"

@@ -1,4 +1,4 @@
-"""`trainstack.compat.ray_private` without a Ray instance: each private route on this
+"""`trainstack.compat.ray` without a Ray instance: each private route on this
 Ray, and its fallback on a Ray that lacks it (the module hidden from the import system,
 or the name hidden from the module), still doing its job. Also that nothing else in the
 package names a private Ray module, that each feature's release in the table is right
@@ -29,7 +29,7 @@ from packaging.version import Version
 from ray.train.torch import TorchTrainer
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-from trainstack.compat import ray_private
+from trainstack.compat import ray as ray_compat
 from trainstack.config import ConfigError, config_from_dict
 from trainstack.machine import local_cpus
 from trainstack.runtime import cluster, launcher
@@ -108,7 +108,7 @@ def test_no_module_outside_compat_names_a_private_ray_module_or_hook() -> None:
 
 def test_importing_the_compat_module_imports_no_ray() -> None:
     code = (
-        "import sys, trainstack.compat.ray_private; "
+        "import sys, trainstack.compat.ray; "
         "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -124,7 +124,7 @@ def test_start_attempts_reach_the_queue_through_the_controllers_hook_after_pickl
     if not hasattr(controller_callback, "on_controller_start_worker_group"):
         pytest.skip(f"Ray {ray.__version__}'s controller has no start hook")
     recorder = StartAttemptRecorder(events)  # type: ignore[arg-type]
-    callback = ray_private.start_attempt_callback(recorder)
+    callback = ray_compat.start_attempt_callback(recorder)
     assert isinstance(callback, controller_callback)
     # Ray sends the callback to the controller's process pickled (its class by value).
     in_controller = ray.cloudpickle.loads(ray.cloudpickle.dumps(callback))
@@ -149,10 +149,10 @@ def test_without_the_controllers_hook_the_run_has_no_start_attempt_watch(
         watches = controller_watches(events)  # type: ignore[arg-type]
         assert [type(w) for w in watches][:1] == [FailureWatch] and len(watches) == 2
         monkeypatch.delattr(controller_callback, "on_controller_start_worker_group")
-        assert ray_private.start_attempt_callback(recorder) is None
+        assert ray_compat.start_attempt_callback(recorder) is None
         monkeypatch.undo()
     hide_module(monkeypatch, CALLBACK)
-    assert ray_private.start_attempt_callback(recorder) is None
+    assert ray_compat.start_attempt_callback(recorder) is None
     assert [type(w) for w in controller_watches(events)] == [FailureWatch]  # type: ignore[arg-type]
 
 
@@ -162,12 +162,12 @@ def test_without_the_controllers_hook_the_run_has_no_start_attempt_watch(
 def test_a_run_without_datasets_starts_no_dataset_manager_and_embedded_no_cleaner() -> None:
     datasets_callback = rays(DATASETS, "DatasetsCallback")
     rays_cleaner = rays(CLEANER_CALLBACK, "PlacementGroupCleanerCallback")
-    embedded = callback_types(ray_private.torch_trainer(embedded=True, **trainer_args()))
+    embedded = callback_types(ray_compat.torch_trainer(embedded=True, **trainer_args()))
     assert not any(issubclass(t, (datasets_callback, rays_cleaner)) for t in embedded)
-    on_cluster = callback_types(ray_private.torch_trainer(embedded=False, **trainer_args()))
+    on_cluster = callback_types(ray_compat.torch_trainer(embedded=False, **trainer_args()))
     cleaners = [t for t in on_cluster if issubclass(t, rays_cleaner)]
     assert [t.__name__ for t in cleaners] == ["OwnInstanceCleanerCallback"]
-    streams = ray_private.torch_trainer(embedded=True, **trainer_args(datasets={"train": list}))
+    streams = ray_compat.torch_trainer(embedded=True, **trainer_args(datasets={"train": list}))
     assert datasets_callback in callback_types(streams)
 
 
@@ -175,7 +175,7 @@ def test_without_the_default_callbacks_hook_the_trainer_is_rays_own(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delattr(DataParallelTrainer, "_create_default_callbacks")
-    trainer = ray_private.torch_trainer(embedded=True, **trainer_args())
+    trainer = ray_compat.torch_trainer(embedded=True, **trainer_args())
     assert type(trainer) is TorchTrainer
 
 
@@ -185,12 +185,12 @@ def test_without_the_cleaner_or_datasets_module_rays_callbacks_stay(
     datasets_callback = rays(DATASETS, "DatasetsCallback")
     rays_cleaner = rays(CLEANER_CALLBACK, "PlacementGroupCleanerCallback")
     hide_module(monkeypatch, CLEANER)
-    assert ray_private.own_instance_cleaner_class() is None
-    types = callback_types(ray_private.torch_trainer(embedded=False, **trainer_args()))
+    assert ray_compat.own_instance_cleaner_class() is None
+    types = callback_types(ray_compat.torch_trainer(embedded=False, **trainer_args()))
     assert rays_cleaner in types
     monkeypatch.undo()
     hide_module(monkeypatch, DATASETS)
-    types = callback_types(ray_private.torch_trainer(embedded=True, **trainer_args()))
+    types = callback_types(ray_compat.torch_trainer(embedded=True, **trainer_args()))
     assert datasets_callback in types  # not known to be Ray's data hand-off here: it stays
 
 
@@ -205,7 +205,7 @@ def test_the_callback_starts_the_own_instance_cleaner_and_gives_ray_back_its_glo
         built.append(module.PlacementGroupCleaner)
 
     monkeypatch.setattr(module.PlacementGroupCleanerCallback, "after_controller_start", rays_start)
-    callback_class = ray_private._own_instance_cleaner_callback_class()
+    callback_class = ray_compat._own_instance_cleaner_callback_class()
     assert callback_class is not None
     callback_class().after_controller_start(None)
     assert built[0].__name__ == "OwnInstanceCleaner" and issubclass(built[0], rays_cleaner)
@@ -216,7 +216,7 @@ def test_the_own_instance_cleaner_asks_its_own_instance_unless_the_environment_n
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     rays(CLEANER, "PlacementGroupCleaner")
-    cleaner_class = ray_private.own_instance_cleaner_class()
+    cleaner_class = ray_compat.own_instance_cleaner_class()
     assert cleaner_class is not None
     context = SimpleNamespace(gcs_address="10.0.0.7:6379")
     monkeypatch.setattr(ray, "get_runtime_context", lambda: context)
@@ -259,11 +259,11 @@ def test_report_lines_are_quieted_where_rays_module_is_and_left_alone_where_not(
     context = pytest.importorskip(CONTEXT)
     by_file = logging.getLogger(context.__file__)
     monkeypatch.setattr(by_file, "level", logging.NOTSET)
-    assert ray_private.quiet_train_report_logs()
+    assert ray_compat.quiet_train_report_logs()
     assert by_file.level == logging.WARNING
     monkeypatch.setattr(by_file, "level", logging.NOTSET)
     hide_module(monkeypatch, CONTEXT)
-    assert not ray_private.quiet_train_report_logs()
+    assert not ray_compat.quiet_train_report_logs()
     assert by_file.level == logging.NOTSET
 
 
@@ -282,7 +282,7 @@ def test_local_cpus_are_rays_count_or_without_it_the_cpus_this_process_may_use(
 def test_this_ray_has_exactly_the_features_whose_release_it_has_reached() -> None:
     """The table's releases (found in each release's source) hold for the installed Ray:
     on 2.60 every feature is there; on 2.51 and 2.52 the four from 2.54 on are not."""
-    features = ray_private.features()
+    features = ray_compat.features()
     assert len({f.name for f in features}) == len(features)
     installed = Version(ray.__version__).release[:2]
     for feature in features:
@@ -301,9 +301,9 @@ def test_elastic_groups_on_a_ray_without_them_are_refused_in_one_line_naming_the
     cfg = config_from_dict(
         {"train": {"global_batch_size": 24}, "scaling": {"num_workers": {"min": 2, "max": 4}}}
     )
-    if ray_private.has_elastic_scaling():
+    if ray_compat.has_elastic_scaling():
         check_ray_features(cfg)  # this Ray has them
-        assert ray_private.missing_ray_feature("elastic_scaling", setting="s", value=1) is None
+        assert ray_compat.missing_ray_feature("elastic_scaling", setting="s", value=1) is None
 
     class OldScalingConfig:  # Ray 2.54's: no elastic arguments
         def __init__(self, *, num_workers: int = 1, use_gpu: bool = False) -> None: ...
@@ -316,7 +316,7 @@ def test_elastic_groups_on_a_ray_without_them_are_refused_in_one_line_naming_the
     assert message.startswith("scaling.min_workers=2 needs Ray >= 2.55 (")
     assert f"this environment has Ray {ray.__version__}: install ray>=2.55" in message
     check_ray_features(config_from_dict({"scaling": {"num_workers": 4}}))  # fixed size: fine
-    assert not next(f for f in ray_private.features() if f.name == "elastic_scaling").available
+    assert not next(f for f in ray_compat.features() if f.name == "elastic_scaling").available
 
 
 def test_without_train_logging_config_the_run_keeps_ray_trains_default_level(

@@ -24,7 +24,7 @@ from typing import Any, cast
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from trainstack.compat.torch_private import strided_split_factor
+from trainstack.compat.torch import strided_split_factor
 
 Block = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 """(offsets in the whole tensor, sizes, offsets in the local part)."""
@@ -75,7 +75,7 @@ def strided_shard_positions(size: int, chunks: int, rank: int, *, split_factor: 
     torch 2.5 to 2.9 cut it into split_factor x chunks pieces, which is the same
     wherever that product divides `size`, as every strided shard trainstack makes does).
     torch's `_StridedShard.local_shard_size_and_offset` gives the same positions where
-    it can (tests/unit/test_torch_private.py); computed here, no torch version needs it."""
+    it can (tests/unit/test_torch_compat.py); computed here, no torch version needs it."""
     positions: list[int] = []
     for piece in range(split_factor):
         first, length = chunk_span(size, split_factor, piece)

@@ -42,7 +42,7 @@ def doctor_command(args: argparse.Namespace) -> int:
     here = versions_here()
     lines = [_title("trainstack doctor"), *_about_this_python(), ""]
     lines += _library_table(here, heading="libraries here")
-    lines += ["", *_accelerators(), "", *_private_features()]
+    lines += ["", *_accelerators(), "", *_compat_features()]
     print("\n".join(lines))
     wrong = [row for row in here if row.wrong]
     address = args.address or _job_api_address(os.environ.get("RAY_ADDRESS"))
@@ -144,13 +144,13 @@ def _accelerators() -> list[str]:
     ]
 
 
-def _private_features() -> list[str]:
+def _compat_features() -> list[str]:
     """The compat modules' feature checks: what this torch and Ray offer beyond their
     public API, and what trainstack does where they do not."""
     out = ["private features (each feature-checked, with a fallback: trainstack.compat)"]
     for library, module in (
-        ("torch", "trainstack.compat.torch_private"),
-        ("ray", "trainstack.compat.ray_private"),
+        ("torch", "trainstack.compat.torch"),
+        ("ray", "trainstack.compat.ray"),
     ):
         try:
             features = __import__(module, fromlist=["features"]).features()

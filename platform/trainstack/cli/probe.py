@@ -5,13 +5,17 @@ else (`trainstack doctor --address`, `trainstack submit --deps pip|uv`)."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainstack.errors import first_line
 from trainstack.stack import DEPENDENCIES
+
+if TYPE_CHECKING:
+    from ray.job_submission import JobSubmissionClient
 
 PROBE_MARK = "trainstack-doctor:"
 PROBE_TIMEOUT_S = 120.0
@@ -62,17 +66,34 @@ print({PROBE_MARK!r} + json.dumps(rows), flush=True)
 """
 
 
+ADDRESS_VARIABLES = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
+
+
+def job_client(address: str, **options: Any) -> JobSubmissionClient:
+    """Ray's Job API client for `address`, the address given. Ray's client takes
+    `$RAY_API_SERVER_ADDRESS`, else `$RAY_ADDRESS`, over the address it is handed (a
+    leftover `RAY_ADDRESS` of another Ray would send `--address`'s job elsewhere): both
+    are hidden while it resolves the address, which it keeps."""
+    from ray.job_submission import JobSubmissionClient
+
+    hidden = {name: os.environ.pop(name) for name in ADDRESS_VARIABLES if name in os.environ}
+    try:
+        return JobSubmissionClient(address, **options)
+    finally:
+        os.environ.update(hidden)
+
+
 def probe_cluster(address: str) -> list[NodeVersions]:
     """Every alive node's library versions, asked through the cluster's Job API by a job
     that needs only Ray (so it answers on a cluster whose image lacks everything else)."""
     try:
-        from ray.job_submission import JobStatus, JobSubmissionClient
+        from ray.job_submission import JobStatus
     except ImportError as err:
         raise ClusterProbeError(f"Ray's job client does not import here: {err}") from err
     names = [dep.name for dep in DEPENDENCIES]
     entry = "python -c " + shlex.quote(probe_script(names))
     try:
-        client = JobSubmissionClient(address)
+        client = job_client(address)
         job = client.submit_job(entrypoint=entry, metadata={"job_name": "trainstack-doctor"})
     except Exception as err:
         message = first_line(err)

@@ -30,6 +30,7 @@ import sys
 import uuid
 from typing import Any
 
+from trainstack.cli.probe import job_client
 from trainstack.config import ConfigError, JobConfig, load_config
 from trainstack.stack import DEPS_CHOICES, dependency, extras_for, job_requirements
 
@@ -111,10 +112,8 @@ def submit_command(args: argparse.Namespace) -> int:
         except ConfigError as err:
             print(f"trainstack: error: {err}", file=sys.stderr)
             return 2
-    from ray.job_submission import JobSubmissionClient
-
     try:
-        client = JobSubmissionClient(address)
+        client = job_client(address)
         job_id = client.submit_job(
             entrypoint=entrypoint(args.config, args.overrides, summary_json=args.summary_json),
             submission_id=submission_id(cfg),

@@ -21,7 +21,7 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
 )
 
-from trainstack.compat import torch_private
+from trainstack.compat import torch as torch_compat
 from trainstack.data.sharding import Batch
 from trainstack.models.on_meta import has_meta_parameters
 from trainstack.tasks import Task
@@ -47,9 +47,9 @@ def _query_heads(q: Any, *shapes: Any) -> list[tuple[int, ...]]:
 def cpu_attention_formulas() -> dict[Any, Any]:
     """torch counts its GPU attention kernels; the CPU kernel takes the same formulas
     (arguments are tensor shapes: FlopCounterMode passes shapes to custom formulas).
-    Empty where torch names that kernel otherwise (`torch_private.cpu_attention_ops`):
+    Empty where torch names that kernel otherwise (`torch_compat.cpu_attention_ops`):
     attention's FLOPs on CPU are then left out."""
-    ops = torch_private.cpu_attention_ops()
+    ops = torch_compat.cpu_attention_ops()
     if ops is None:
         return {}
     forward, backward = ops
@@ -61,10 +61,10 @@ def count_training_flops(model: nn.Module, batch: Batch, *, task: Task) -> int:
     model whose parameters are on the meta device (a pretrained one read rank by rank)
     is counted on a copy of fake tensors: shapes alone, no storage (transformers skips
     its data-dependent checks on fake tensors, which meta ones fail); where torch has no
-    fake tensors (`torch_private.fake_tensor_mode`), estimated as 6 FLOPs per parameter
+    fake tensors (`torch_compat.fake_tensor_mode`), estimated as 6 FLOPs per parameter
     and target (token, or sample for `classify`): a dense model's forward and backward."""
     if has_meta_parameters(model):
-        fake = torch_private.fake_tensor_mode()
+        fake = torch_compat.fake_tensor_mode()
         if fake is None:
             _, targets = batch
             return 6 * sum(p.numel() for p in model.parameters()) * targets.numel()

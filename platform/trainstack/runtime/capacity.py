@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainstack.compat.ray_private import is_worker_group_start_timeout
+from trainstack.compat.ray import is_worker_group_start_timeout
 from trainstack.config import ConfigError, JobConfig
 from trainstack.kinds import kind_of, model_kind_of
 from trainstack.machine import local_cpus, local_gpus, local_memory_bytes

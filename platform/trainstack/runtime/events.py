@@ -15,7 +15,7 @@ import ray.train
 import ray.train.torch
 from ray.util.queue import Empty, Queue
 
-from trainstack.compat.ray_private import start_attempt_callback
+from trainstack.compat.ray import start_attempt_callback
 from trainstack.observe.prometheus import RunTelemetry
 from trainstack.observe.tracking import Tracker
 from trainstack.run_events import (
@@ -58,7 +58,7 @@ class StartAttemptRecorder:
 
 def controller_watches(events: Queue) -> list[Any]:
     """The callbacks the Train controller runs for the driver: `FailureWatch`, and where
-    this Ray's controller has the hook (`compat.ray_private.start_attempt_callback`), one
+    this Ray's controller has the hook (`compat.ray.start_attempt_callback`), one
     that tells the driver each time it starts the worker group (the first start, a
     restart after a failure, a retry of a start that found no room within
     `scaling.start_timeout_s`) as a `start_attempt` event, which `on_record` sees."""

@@ -26,7 +26,7 @@ import ray.train.torch
 from ray.util.queue import Queue
 
 from trainstack import checkpoint as ckpt
-from trainstack.compat.ray_private import (
+from trainstack.compat.ray import (
     quiet_train_report_logs,
     torch_trainer,
     train_logging_config,

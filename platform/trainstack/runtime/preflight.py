@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from trainstack import checkpoint as ckpt
-from trainstack.compat.ray_private import missing_ray_feature
+from trainstack.compat.ray import missing_ray_feature
 from trainstack.config import ConfigError, JobConfig
 from trainstack.data import Source, build_corpus
 from trainstack.data.paths import resolve_data
@@ -91,7 +91,7 @@ def preflight(cfg: JobConfig) -> PreflightReport:
 
 def check_ray_features(cfg: JobConfig) -> None:
     """The installed Ray has what the spec asks of Ray Train beyond trainstack's oldest
-    supported Ray (`compat.ray_private.RAY_FEATURES`): elastic worker groups."""
+    supported Ray (`compat.ray.RAY_FEATURES`): elastic worker groups."""
     if cfg.scaling.elastic:
         missing = missing_ray_feature(
             "elastic_scaling", setting="scaling.min_workers", value=cfg.scaling.min_workers

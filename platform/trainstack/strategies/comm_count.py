@@ -7,7 +7,7 @@ backend, and it adds the bytes a ring implementation of that collective sends fr
 this rank: all-gather (n-1) × input, reduce-scatter (n-1)/n × input, all-reduce
 2(n-1)/n × the buffer, for a group of n ranks. A dispatch mode sees every operator, so
 strategies count one step with it, not every step. Where torch offers no dispatch mode
-(`torch_private.collective_dispatch_mode`), nothing is counted (`counting` is False)
+(`torch_compat.collective_dispatch_mode`), nothing is counted (`counting` is False)
 and strategies model their bytes instead.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainstack.compat import torch_private
+from trainstack.compat import torch as torch_compat
 
 
 def _nbytes(tensors: Any) -> int:
@@ -38,7 +38,7 @@ def _group_size(group: Any) -> int:
     """A collective's group size: a ProcessGroup as the dispatcher passes it (boxed, c10d
     ops) or a group name (functional collectives)."""
     if isinstance(group, str):
-        return torch_private.group_size_by_name(group)
+        return torch_compat.group_size_by_name(group)
     if not isinstance(group, dist.ProcessGroup):
         group = dist.ProcessGroup.unbox(group)
     return int(group.size())
@@ -84,7 +84,7 @@ class CollectiveBytes:
 
     def __init__(self) -> None:
         self.sent = 0
-        self._mode = torch_private.collective_dispatch_mode(self._saw)
+        self._mode = torch_compat.collective_dispatch_mode(self._saw)
         self.counting = self._mode is not None
 
     def _saw(self, name: str, args: tuple[Any, ...]) -> None:

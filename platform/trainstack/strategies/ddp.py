@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainstack.checkpoint import Checkpoint, rank_file
-from trainstack.compat import torch_private
+from trainstack.compat import torch as torch_compat
 from trainstack.compression import CompressionState, register_compression
 from trainstack.compression.state import moments_on_ranks, optimizer_config
 from trainstack.config import JobConfig
@@ -80,7 +80,7 @@ class DDPStrategy:
         experts = self._split_experts(model) if self.cfg.strategy.expert_parallel > 1 else []
         if self.ctx.is_distributed:
             device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
-            with torch_private.hidden_from_ddp(model, experts):
+            with torch_compat.hidden_from_ddp(model, experts):
                 model = DistributedDataParallel(
                     model,
                     device_ids=device_ids,

@@ -67,7 +67,7 @@ from torch.distributed.pipelining import schedules
 from torch.distributed.tensor import DTensor
 
 from trainstack.checkpoint import Checkpoint, rank_file, stage_file
-from trainstack.compat import torch_private
+from trainstack.compat import torch as torch_compat
 from trainstack.config import JobConfig, config_from_dict
 from trainstack.data.sharding import Batch
 from trainstack.models import block_classes
@@ -532,7 +532,7 @@ class PipelineStrategy:
                 s.schedule, pp_size=self.pp_size, microbatches=s.microbatches
             )
         else:
-            plan = torch_private.schedule_compute_actions(self.schedule)
+            plan = torch_compat.schedule_compute_actions(self.schedule)
             if plan is None:
                 return math.nan
             orders = plan

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
-from trainstack.compat import torch_private
+from trainstack.compat import torch as torch_compat
 
 
 class SavedActivationMeter:
@@ -135,17 +135,15 @@ def first_replica_figures(
     return replica0, bubbles
 
 
-class ProbedStage(
-    torch_private.ShapeInferenceLeavesNoTrace, torch_private.GlooWarmup, PipelineStage
-):
+class ProbedStage(torch_compat.ShapeInferenceLeavesNoTrace, torch_compat.GlooWarmup, PipelineStage):
     """A `PipelineStage` that adds up its compute seconds and meters its activations.
 
     At the first step torch infers the shapes passed between stages with one real
     forward (on empty tensors past the first stage, and a backward since torch 2.12);
     the stage's buffers (batch-norm statistics) and the random generators are as they
-    were before it once that is done (`torch_private.ShapeInferenceLeavesNoTrace`); on
+    were before it once that is done (`torch_compat.ShapeInferenceLeavesNoTrace`); on
     torch 2.9 to 2.11 the links between stages are warmed up as gloo can
-    (`torch_private.GlooWarmup`).
+    (`torch_compat.GlooWarmup`).
     """
 
     def __init__(self, *args: Any, meter: SavedActivationMeter, **kwargs: Any) -> None:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainstack.compat import torch_private
+from trainstack.compat import torch as torch_compat
 from trainstack.config import ConfigError, JobConfig
 from trainstack.models import pipeline_layers
 
@@ -116,12 +116,12 @@ def check_schedule_runs_here(cfg: JobConfig) -> None:
     s = cfg.strategy
     if s.engine != "torch":
         return
-    dualpipev = torch_private.feature("dualpipev")
+    dualpipev = torch_compat.feature("dualpipev")
     if s.schedule == "dualpipev" and not dualpipev.available:
         raise ConfigError(
             dualpipev.refusal("strategy.schedule=dualpipev", instead="strategy.schedule=zbv")
         )
-    zbv = torch_private.feature("zbv_on_gloo")
+    zbv = torch_compat.feature("zbv_on_gloo")
     if s.schedule == "zbv" and not cfg.scaling.use_gpu and not zbv.available:
         sibling = "dualpipev" if dualpipev.available else "zb_interleaved"
         raise ConfigError(

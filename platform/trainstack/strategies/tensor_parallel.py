@@ -61,7 +61,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from trainstack.compat import torch_private
+from trainstack.compat import torch as torch_compat
 from trainstack.config import ConfigError, JobConfig
 from trainstack.models.gpt import GPT, Block, GPTEmbedding, GPTHead
 from trainstack.models.hf import HFCausalLM
@@ -188,9 +188,9 @@ class ExpertsParallel(ParallelStyle):
 
 def experts_placements() -> dict[str, Any]:
     """How `ExpertsParallel` places the stacked experts' parameters over `tp` (a strided
-    shard: `torch_private.strided_shard`, which pre-flight checks torch has)."""
+    shard: `torch_compat.strided_shard`, which pre-flight checks torch has)."""
     return {
-        "gate_up_proj": torch_private.strided_shard(1, split_factor=2),
+        "gate_up_proj": torch_compat.strided_shard(1, split_factor=2),
         "down_proj": Shard(2),
     }
 
@@ -238,7 +238,7 @@ def _local_parameters(module: nn.Module) -> contextlib.AbstractContextManager[No
         for name, param in module.named_parameters(recurse=False)
         if isinstance(param, DTensor)
     }
-    return torch_private.parameters_replaced(module, local)
+    return torch_compat.parameters_replaced(module, local)
 
 
 HF_STYLES: dict[str, Any] = {
@@ -323,7 +323,7 @@ def check_tensor_parallel(model: nn.Module, degree: int) -> None:
         for key in ("num_attention_heads", "num_key_value_heads"):
             if heads := getattr(model.config, key, None):
                 sizes[key] = heads
-    strided = torch_private.feature("strided_shard")
+    strided = torch_compat.feature("strided_shard")
     if not strided.available and "moe_tp_experts" in plan.values():
         raise ConfigError(
             strided.refusal(

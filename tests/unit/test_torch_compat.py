@@ -1,4 +1,4 @@
-"""trainstack.compat.torch_private: every private torch feature, checked on this torch and
+"""trainstack.compat.torch: every private torch feature, checked on this torch and
 with its name taken away (monkeypatch), and each fallback doing what the feature does: a
 strided shard's positions, computed by checkpoint/blocks.py's own arithmetic, equal
 torch's own layout and offsets on many shapes and each rank's local part on a fake
@@ -33,8 +33,8 @@ from trainstack.checkpoint.blocks import (
     shard_positions,
     strided_shard_positions,
 )
-from trainstack.compat import torch_private
-from trainstack.compat.torch_private import TorchFeatureMissing
+from trainstack.compat import torch as torch_compat
+from trainstack.compat.torch import TorchFeatureMissing
 from trainstack.config import ConfigError
 from trainstack.models.flops import count_training_flops, cpu_attention_formulas
 from trainstack.strategies.comm_count import CollectiveBytes
@@ -82,7 +82,7 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
 
-def _torch_private_names(tree: ast.AST) -> Iterator[tuple[int, str]]:
+def _private_torch_names(tree: ast.AST) -> Iterator[tuple[int, str]]:
     """(line, what) for every private torch name `tree` imports, reaches or overrides."""
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
@@ -109,13 +109,13 @@ def _torch_private_names(tree: ast.AST) -> Iterator[tuple[int, str]]:
 
 
 def test_no_module_outside_compat_names_a_private_torch_name() -> None:
-    """The rule (docs: DESIGN.md): a private torch name lives in compat/torch_private.py
+    """The rule (docs: DESIGN.md): a private torch name lives in compat/torch.py
     alone; docstrings may speak of them, code may not reach them."""
     offenders = [
         f"{path.relative_to(PACKAGE)}:{line}: {what}"
         for path in sorted(PACKAGE.rglob("*.py"))
         if path.parent.name != "compat"
-        for line, what in _torch_private_names(ast.parse(path.read_text()))
+        for line, what in _private_torch_names(ast.parse(path.read_text()))
     ]
     assert offenders == []
 
@@ -123,7 +123,7 @@ def test_no_module_outside_compat_names_a_private_torch_name() -> None:
 def test_importing_the_compat_module_imports_nothing_of_torch_beyond_torch_itself() -> None:
     """Every private name is imported when a function needs it, never with the module."""
     code = (
-        "import sys, torch; before = set(sys.modules); import trainstack.compat.torch_private; "
+        "import sys, torch; before = set(sys.modules); import trainstack.compat.torch; "
         "print(sorted(m for m in set(sys.modules) - before if m.startswith('torch')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -139,7 +139,7 @@ def test_this_torch_has_exactly_the_features_its_release_is_in_the_range_of() ->
     """Each feature says which torch releases have it (read in each release's source)
     and what trainstack does without it (`trainstack doctor`); the installed torch has
     exactly those whose range it is in."""
-    found = torch_private.features()
+    found = torch_compat.features()
     assert len({f.name for f in found}) == len(found)
     installed = _release(torch.__version__)
     for f in found:
@@ -148,7 +148,7 @@ def test_this_torch_has_exactly_the_features_its_release_is_in_the_range_of() ->
             f.until is None or installed <= _release(f.until)
         )
         assert f.available == within, f"{f.name} ({f.torch_name}) on torch {torch.__version__}"
-        assert torch_private.feature(f.name) is f
+        assert torch_compat.feature(f.name) is f
 
 
 # ---- a strided shard's positions: our arithmetic, torch's layout ------------------------
@@ -210,8 +210,8 @@ if NESTED_STRIDED_LAYOUT:
 
 def _placements(named: tuple[Any, ...]) -> tuple[Any, ...]:
     strided = {
-        "packed": torch_private.strided_shard(1, split_factor=2),
-        "fsdp's own": torch_private.strided_shard(0, split_factor=2),
+        "packed": torch_compat.strided_shard(1, split_factor=2),
+        "fsdp's own": torch_compat.strided_shard(0, split_factor=2),
     }
     return tuple(strided.get(p, p) if isinstance(p, str) else p for p in named)
 
@@ -254,16 +254,16 @@ def test_held_indices_are_each_ranks_local_part(
 
 
 def test_a_strided_shard_is_built_and_recognised(monkeypatch: pytest.MonkeyPatch) -> None:
-    packed = torch_private.strided_shard(1, split_factor=2)
-    assert torch_private.strided_split_factor(packed) == 2
-    assert torch_private.strided_split_factor(Shard(1)) is None
-    assert torch_private.strided_split_factor(Replicate()) is None
+    packed = torch_compat.strided_shard(1, split_factor=2)
+    assert torch_compat.strided_split_factor(packed) == 2
+    assert torch_compat.strided_split_factor(Shard(1)) is None
+    assert torch_compat.strided_split_factor(Replicate()) is None
     monkeypatch.delattr(placement_types, "_StridedShard")
-    assert not torch_private.feature("strided_shard").available
-    assert torch_private.strided_split_factor(packed) is None  # no strided shard exists then
-    needs = torch_private.feature("strided_shard").needs
+    assert not torch_compat.feature("strided_shard").available
+    assert torch_compat.strided_split_factor(packed) is None  # no strided shard exists then
+    needs = torch_compat.feature("strided_shard").needs
     with pytest.raises(TorchFeatureMissing, match=rf"needs {needs} .*_StridedShard"):
-        torch_private.strided_shard(1, split_factor=2)
+        torch_compat.strided_shard(1, split_factor=2)
 
 
 def test_tensor_parallel_experts_without_strided_shards_are_refused_in_one_line(
@@ -284,7 +284,7 @@ def test_tensor_parallel_experts_without_strided_shards_are_refused_in_one_line(
     with pytest.raises(ConfigError) as refused:
         check_tensor_parallel(model, 2)
     line = str(refused.value)
-    needs = torch_private.feature("strided_shard").needs
+    needs = torch_compat.feature("strided_shard").needs
     assert "\n" not in line and needs in line and torch.__version__ in line, line
     assert "strategy.tensor_parallel=1" in line, line
 
@@ -296,7 +296,7 @@ def test_operators_are_seen_where_torch_has_dispatch_modes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     seen: list[str] = []
-    mode = torch_private.collective_dispatch_mode(lambda name, args: seen.append(name))
+    mode = torch_compat.collective_dispatch_mode(lambda name, args: seen.append(name))
     assert mode is not None and CollectiveBytes().counting
     with mode:
         torch.ones(2).add(1)
@@ -304,8 +304,8 @@ def test_operators_are_seen_where_torch_has_dispatch_modes(
     import torch.utils._python_dispatch as python_dispatch
 
     monkeypatch.delattr(python_dispatch, "TorchDispatchMode")
-    assert not torch_private.feature("dispatch_mode").available
-    assert torch_private.collective_dispatch_mode(lambda name, args: None) is None
+    assert not torch_compat.feature("dispatch_mode").available
+    assert torch_compat.collective_dispatch_mode(lambda name, args: None) is None
     counter = CollectiveBytes()
     with counter:  # counts nothing, breaks nothing: fsdp models its bytes
         torch.ones(2).add(1)
@@ -316,7 +316,7 @@ def test_without_group_names_nothing_is_counted(monkeypatch: pytest.MonkeyPatch)
     import torch.distributed.distributed_c10d as c10d
 
     monkeypatch.delattr(c10d, "_resolve_process_group")
-    assert not torch_private.feature("group_by_name").available
+    assert not torch_compat.feature("group_by_name").available
     assert not CollectiveBytes().counting
 
 
@@ -331,10 +331,10 @@ def test_flops_of_a_meta_model_without_fake_tensors_are_six_per_parameter_and_to
     with torch.device("meta"):
         model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16))
     batch = (torch.randint(16, (2, 5)), torch.randint(16, (2, 5)))
-    assert torch_private.fake_tensor_mode() is not None
+    assert torch_compat.fake_tensor_mode() is not None
     monkeypatch.delattr(fake_tensor, "FakeTensorMode")
-    assert torch_private.fake_tensor_mode() is None
-    assert not torch_private.feature("fake_tensors").available
+    assert torch_compat.fake_tensor_mode() is None
+    assert not torch_compat.feature("fake_tensors").available
     params = 16 * 8 + 8 * 16 + 16
     assert count_training_flops(model, batch, task=cast(Any, None)) == 6 * params * 10
 
@@ -343,9 +343,9 @@ def test_cpu_attention_is_counted_where_torch_names_its_kernel(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     assert len(cpu_attention_formulas()) == 2
-    monkeypatch.setattr(torch_private, "_CPU_ATTENTION_OPS", ("_no_such_op", "_no_such_op_bw"))
-    assert torch_private.cpu_attention_ops() is None and cpu_attention_formulas() == {}
-    assert not torch_private.feature("cpu_attention_ops").available
+    monkeypatch.setattr(torch_compat, "_CPU_ATTENTION_OPS", ("_no_such_op", "_no_such_op_bw"))
+    assert torch_compat.cpu_attention_ops() is None and cpu_attention_formulas() == {}
+    assert not torch_compat.feature("cpu_attention_ops").available
 
 
 # ---- modules' parameters ------------------------------------------------------------------
@@ -368,11 +368,11 @@ def test_ddp_leaves_hidden_parameters_out_and_the_model_as_it_was(
     if not torch_has_it:
         ignore = "_set_params_and_buffers_to_ignore_for_model"
         monkeypatch.delattr(DistributedDataParallel, ignore)
-        assert not torch_private.feature("ddp_ignore").available
+        assert not torch_compat.feature("ddp_ignore").available
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
     before = list(model.named_parameters())
-    with torch_private.hidden_from_ddp(model, ["2.weight"]):
+    with torch_compat.hidden_from_ddp(model, ["2.weight"]):
         ddp = DistributedDataParallel(model)
     reduced: set[int] = set()
 
@@ -395,12 +395,12 @@ def test_parameters_replaced_inside_and_put_back_in_order(
     torch_has_it: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if not torch_has_it:
-        monkeypatch.setattr(torch_private, "_has_parameter_table", lambda module: False)
+        monkeypatch.setattr(torch_compat, "_has_parameter_table", lambda module: False)
     layer = nn.Linear(3, 2)
     before = list(layer.named_parameters())
     x = torch.randn(4, 3)
     doubled = layer.weight * 2
-    with torch_private.parameters_replaced(layer, {"weight": doubled}):
+    with torch_compat.parameters_replaced(layer, {"weight": doubled}):
         assert layer.weight is doubled
         out = layer(x)
     assert torch.equal(out, F.linear(x, doubled, layer.bias))
@@ -436,7 +436,7 @@ class _Stage:
         pass
 
 
-class _QuietStage(torch_private.ShapeInferenceLeavesNoTrace, _Stage):
+class _QuietStage(torch_compat.ShapeInferenceLeavesNoTrace, _Stage):
     pass
 
 
@@ -456,12 +456,12 @@ def test_shape_inference_leaves_buffers_and_generators_as_they_were(torch_hooks:
 def test_the_stage_hooks_are_found_and_missed(monkeypatch: pytest.MonkeyPatch) -> None:
     from torch.distributed.pipelining import PipelineStage
 
-    assert torch_private.feature("stage_shape_inference").available
+    assert torch_compat.feature("stage_shape_inference").available
     for hook in ("_shape_inference", "_forward_metadata_inference"):
         for klass in PipelineStage.__mro__:
             if hook in vars(klass):
                 monkeypatch.delattr(klass, hook)
-    assert not torch_private.feature("stage_shape_inference").available
+    assert not torch_compat.feature("stage_shape_inference").available
 
 
 class _Warmup:
@@ -474,7 +474,7 @@ class _Warmup:
         return [SimpleNamespace(op=op, tensor=t, peer=peer) for op, t, peer in ops]
 
 
-class _GlooWarmup(torch_private.GlooWarmup, _Warmup):
+class _GlooWarmup(torch_compat.GlooWarmup, _Warmup):
     pass
 
 
@@ -499,15 +499,15 @@ def test_a_schedules_plan_is_read_as_compute_actions(monkeypatch: pytest.MonkeyP
         2: [act(2, schedules.BACKWARD_WEIGHT, 1)],
     }
     schedule = SimpleNamespace(pipeline_order=plan)
-    assert torch_private.schedule_compute_actions(schedule) == {
+    assert torch_compat.schedule_compute_actions(schedule) == {
         0: [("F", 0, 0)],
         1: [("B", 1, 0), ("I", 1, 1)],
         2: [("W", 2, 1)],
     }
-    assert torch_private.schedule_compute_actions(SimpleNamespace()) is None
-    assert torch_private.feature("schedule_plan").available
+    assert torch_compat.schedule_compute_actions(SimpleNamespace()) is None
+    assert torch_compat.feature("schedule_plan").available
     monkeypatch.delattr(schedules, "FULL_BACKWARD")
-    assert not torch_private.feature("schedule_plan").available
+    assert not torch_compat.feature("schedule_plan").available
 
 
 def test_schedules_this_torch_cannot_run_are_refused_in_one_line(
@@ -527,10 +527,10 @@ def test_schedules_this_torch_cannot_run_are_refused_in_one_line(
             }
         )
 
-    if torch_private.feature("zbv_on_gloo").available:
+    if torch_compat.feature("zbv_on_gloo").available:
         check_schedule_runs_here(spec("zbv"))
-    monkeypatch.setattr(torch_private, "_release", lambda: (2, 9))
-    assert not torch_private.feature("zbv_on_gloo").available
+    monkeypatch.setattr(torch_compat, "_release", lambda: (2, 9))
+    assert not torch_compat.feature("zbv_on_gloo").available
     with pytest.raises(ConfigError) as refused:
         check_schedule_runs_here(spec("zbv"))
     line = str(refused.value)
@@ -539,10 +539,10 @@ def test_schedules_this_torch_cannot_run_are_refused_in_one_line(
     check_schedule_runs_here(spec("zbv", use_gpu=True))  # NCCL takes a rank's own sends
     from torch.distributed.pipelining import schedules
 
-    if torch_private.feature("dualpipev").available:
+    if torch_compat.feature("dualpipev").available:
         check_schedule_runs_here(spec("dualpipev"))
         monkeypatch.delattr(schedules, "ScheduleDualPipeV")
-    assert not torch_private.feature("dualpipev").available
+    assert not torch_compat.feature("dualpipev").available
     with pytest.raises(ConfigError) as refused:
         check_schedule_runs_here(spec("dualpipev"))
     line = str(refused.value)
