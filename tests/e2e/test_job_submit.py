@@ -29,8 +29,8 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 from ray.util.placement_group import placement_group, placement_group_table
 
 from trainstack import checkpoint as ckpt
-from trainstack.compat.ray import own_instance_cleaner_class
 from trainstack.cli.probe import job_client
+from trainstack.compat.ray import own_instance_cleaner_class
 from trainstack.config import config_to_dict, load_config
 from trainstack.runtime.gloo_processes import run_processes
 
