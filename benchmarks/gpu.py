@@ -6,6 +6,8 @@ For each GPT size (block 1024, GPT-2's 50,304-token vocabulary, random token fil
     entry (`ddp`, `zero1`, `zero2`, `zero3`, `fsdp`; a pipeline needs two devices);
 (b) raw: the loop below, written out by hand: the same GPT, torch.compile, bf16
     autocast, fused AdamW, batches of the same token file.
+Each trainstack row is compared with the raw loop at its own micro-batch (a variant
+that doubles it gets a raw loop at the doubled one), and the table says which.
 Reported: steady-state tokens/s (after `--warmup` steps), MFU for both from one count
 (6 FLOPs a parameter a token plus attention's 12·L·h·T, the PaLM paper's) against the
 device's peak (`trainstack.observe.throughput.PEAK_FLOPS`), peak memory, trainstack/raw
@@ -135,8 +137,11 @@ def through_trainstack(
     }
 
 
-def raw_loop(size: Size, *, tokens: Path, steps: int, warmup: int, gpu: bool) -> dict[str, Any]:
-    """The same GPT trained by hand: compile, bf16 autocast, fused AdamW (on a GPU)."""
+def raw_loop(
+    size: Size, *, micro_batch: int, tokens: Path, steps: int, warmup: int, gpu: bool
+) -> dict[str, Any]:
+    """The same GPT trained by hand at `micro_batch`: compile, bf16 autocast, fused AdamW
+    (on a GPU)."""
     device = torch.device("cuda" if gpu else "cpu")
     torch.manual_seed(0)
     cfg = ModelConfig(
@@ -152,13 +157,13 @@ def raw_loop(size: Size, *, tokens: Path, steps: int, warmup: int, gpu: bool) ->
     if gpu:
         model = torch.compile(model)
     ids = np.memmap(tokens, dtype=np.uint16, mode="r", offset=1024)
-    window = size.micro_batch * (size.block + 1)
+    window = micro_batch * (size.block + 1)
     times = []
     for step in range(steps):
         # Timed from the batch's read, as trainstack's meter times its steps.
         start = time.perf_counter()
         chunk = torch.from_numpy(np.array(ids[step * window : (step + 1) * window], np.int64))
-        chunk = chunk.view(size.micro_batch, size.block + 1)
+        chunk = chunk.view(micro_batch, size.block + 1)
         x, y = chunk[:, :-1].to(device, non_blocking=True), chunk[:, 1:].to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=gpu):
             logits = model(x)
@@ -171,8 +176,11 @@ def raw_loop(size: Size, *, tokens: Path, steps: int, warmup: int, gpu: bool) ->
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     steady = times[warmup:] or times
-    tokens_per_s = size.micro_batch * size.block / (sum(steady) / len(steady))
+    tokens_per_s = micro_batch * size.block / (sum(steady) / len(steady))
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()  # the next loop's peak is its own
     return {
+        "micro_batch": micro_batch,
         "tokens_per_s": tokens_per_s,
         "mfu": model_flops_utilisation(size, params, tokens_per_s, device),
         "peak_mem_bytes": torch.cuda.max_memory_allocated() if gpu else None,
@@ -224,10 +232,24 @@ def main() -> None:
         for name in args.sizes:
             size = SIZES[name]
             tokens = token_file(Path(tmp), size, steps=args.steps)
-            raw = raw_loop(size, tokens=tokens, steps=args.steps, warmup=args.warmup, gpu=gpu)
-            rows.append({"size": name, "run": "raw", **raw})
-            record(rows[-1], args.jsonl, device=device_name)
+            raws: dict[int, dict[str, Any]] = {}  # the raw loop at each micro-batch compared
             for layout in args.layouts:
+                micro_batch = size.micro_batch * VARIANTS.get(layout, {}).get(
+                    "micro_batch_scale", 1
+                )
+                if micro_batch not in raws:
+                    raw = raw_loop(
+                        size,
+                        micro_batch=micro_batch,
+                        tokens=tokens,
+                        steps=args.steps,
+                        warmup=args.warmup,
+                        gpu=gpu,
+                    )
+                    raws[micro_batch] = raw
+                    rows.append({"size": name, "run": "raw", **raw})
+                    record(rows[-1], args.jsonl, device=device_name)
+                raw = raws[micro_batch]
                 ours = through_trainstack(
                     size,
                     layout,
@@ -237,13 +259,14 @@ def main() -> None:
                     gpu=gpu,
                     out=Path(tmp) / f"{name}-{layout}",
                 )
-                ratio = ours["tokens_per_s"] / raw["tokens_per_s"]
-                rows.append({"size": name, "run": f"trainstack {layout}", **ours, "vs_raw": ratio})
+                ratio = ours["tokens_per_s"] / raw["tokens_per_s"]  # at the same micro-batch
+                row = {"micro_batch": micro_batch, **ours, "vs_raw": ratio}
+                rows.append({"size": name, "run": f"trainstack {layout}", **row})
                 record(rows[-1], args.jsonl, device=device_name)
     print(f"{device_name}, {time.strftime('%Y-%m-%d')}")
     print(
-        f"{'size':>5}  {'run':<22} {'tokens/s':>12} {'MFU':>6} {'peak mem':>10} {'vs raw':>7} "
-        f"{'first step':>10}"
+        f"{'size':>5}  {'run':<22} {'micro':>5} {'tokens/s':>12} {'MFU':>6} {'peak mem':>10} "
+        f"{'vs raw':>7} {'first step':>10}"
     )
     for row in rows:
         share = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
@@ -252,8 +275,8 @@ def main() -> None:
         first = row.get("time_to_first_step_s")
         first_s = f"{first:.1f} s" if first is not None else ""
         print(
-            f"{row['size']:>5}  {row['run']:<22} {row['tokens_per_s']:>12,.0f} {share:>6} "
-            f"{memory:>10} {ratio:>7} {first_s:>10}"
+            f"{row['size']:>5}  {row['run']:<22} {row['micro_batch']:>5} "
+            f"{row['tokens_per_s']:>12,.0f} {share:>6} {memory:>10} {ratio:>7} {first_s:>10}"
         )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")

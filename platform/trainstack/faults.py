@@ -60,14 +60,18 @@ class FaultInjector:
         self.on_fire = on_fire
         self.delay_s = cfg.faults.step_delay_s
 
-    def before_step(self, step: int) -> None:
+    def before_step(self, step: int, *, settle: Callable[[], None] | None = None) -> None:
         """Die now if this rank is planned to die before `step` and has not yet; sleep
-        `faults.step_delay_s` first."""
+        `faults.step_delay_s` first. `settle` runs just before a planned death: the
+        checkpoint being written in the background lands first, so the run resumes from
+        the step a test plans for (a real failure waits for nothing)."""
         if self.delay_s:
             time.sleep(self.delay_s)
         if step not in self.plan:
             return
         if not first_firing(self.marker_dir / f"killed_before_step_{step}"):
             return  # fired in an earlier attempt; this is the replay
+        if settle is not None:
+            settle()
         self.on_fire(Fault(step=step, rank=self.rank).to_record())
         os._exit(17)

@@ -196,6 +196,7 @@ def test_ddp_and_ps_jobs_export_live_metrics_to_prometheus(
                 ("ray_trainstack_loss", ddp, ranks),
                 ("ray_trainstack_tokens_per_second", ddp, ranks),
                 ("ray_trainstack_checkpoint_save_seconds", ddp, ranks),
+                ("ray_trainstack_time_spent_seconds", {**ddp, "part": "steps"}, ranks),
                 ("ray_trainstack_moe_load_cv", ddp, ranks),
                 ("ray_trainstack_loss", ps, ranks),
                 ("ray_trainstack_comm_exposed_ratio", ps, ranks),
@@ -240,6 +241,10 @@ def test_ddp_and_ps_jobs_export_live_metrics_to_prometheus(
     assert all(1.2 < v <= 2.0 for v in ratio.values())  # fp16 on the large tensors
     saves = values(samples, "ray_trainstack_checkpoint_save_seconds", **ddp)
     assert all(v > 0 for v in saves.values())
+    # Goodput's live part: seconds in steps so far, within the run's own training time.
+    in_steps = values(samples, "ray_trainstack_time_spent_seconds", **ddp, part="steps")
+    assert set(in_steps) == {"0", "1"}
+    assert all(0 < v <= summaries["ddp"]["train_s"] for v in in_steps.values()), in_steps
     assert not values(samples, "ray_trainstack_mfu_ratio", **ddp)  # CPU: peak FLOP/s unknown
     # The routing, summed over both ranks: near even (a collapsed router reads 1.7), none
     # dropped (no capacity limit).

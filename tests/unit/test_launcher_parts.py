@@ -149,3 +149,34 @@ def test_start_up_is_split_where_the_driver_and_the_first_group_said_each_part_e
         "first_step_s": 2.5,
         "to_first_step_s": 14.0,
     }
+
+
+def test_goodput_splits_the_wall_time_into_steps_stalls_restarts_and_replayed_work() -> None:
+    """A run of 12 s of steps checkpointed every 4 steps, whose group died after step 6
+    and resumed from 4: the 2 steps done twice (at the failed group's 0.5 s a step) are
+    replayed, not steps; the failure to the new group's first step is the restart."""
+    from trainstack.run_events import Failure, FirstStep, Start
+
+    follower = RunFollower(display=None, tracker=NullTracker())
+    spent = {"time_eval_s": 0.5, "time_checkpoint_s": 0.25}
+    for record in [
+        Start(resumed_from_step=0, world_size=2, time=105.0).to_record(),
+        FirstStep(step=1, time=110.0).to_record(),
+        {"step": 6, "loss": 1.0, "time_steps_s": 2.5, **spent},  # 5 steps after its first
+        Failure(rank=1, error="ActorDiedError", time=113.0).to_record(),
+        Start(resumed_from_step=4, world_size=2, time=118.0).to_record(),
+        FirstStep(step=5, time=120.0).to_record(),
+    ]:
+        follower.handle(record)
+    final = {"time_steps_s": 7.0, "time_eval_s": 1.0, "time_checkpoint_s": 0.5}
+    split = follower.goodput(began=100.0, ended=130.0, final=final)
+
+    assert split["startup_s"] == 10.0  # to the first group's first step
+    assert split["restarts_s"] == 7.0  # the failure at 113 to the new group's first step
+    assert split["replayed_s"] == 1.0  # steps 5 and 6, at 0.5 s each
+    assert split["steps_s"] == 2.5 + 7.0 - 1.0
+    assert split["checkpoint_s"] == 0.75 and split["eval_s"] == 1.5
+    assert split["wall_s"] == 30.0
+    parts = ("startup_s", "steps_s", "checkpoint_s", "eval_s", "restarts_s", "replayed_s")
+    assert split["other_s"] == 30.0 - sum(split[p] for p in parts)
+    assert split["goodput"] == split["steps_s"] / 30.0

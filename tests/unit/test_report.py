@@ -64,6 +64,15 @@ DDP_SUMMARY = {
     "wall_s": 42.0,
     "restarts": 1,
     "recovery": [{"resumed_from_step": 50, "failed_after_step": 64, "steps_lost": 14}],
+    "goodput": 0.25,
+    "goodput_wall_s": 42.0,
+    "goodput_startup_s": 20.0,
+    "goodput_steps_s": 10.5,
+    "goodput_checkpoint_s": 1.5,
+    "goodput_eval_s": 0.5,
+    "goodput_restarts_s": 6.0,
+    "goodput_replayed_s": 2.5,
+    "goodput_other_s": 1.0,
 }
 
 PS_SUMMARY = {
@@ -177,14 +186,16 @@ def png_size(path: Path) -> tuple[int, int]:
     return width, height
 
 
-def test_ddp_report_draws_loss_throughput_memory_and_comm_at_1200x700(ddp_report: Path) -> None:
+def test_ddp_report_draws_loss_throughput_memory_comm_and_goodput_at_1200x700(
+    ddp_report: Path,
+) -> None:
     folder = ddp_report.parent
-    for name in ("loss.png", "throughput.png", "memory.png", "comm.png"):
+    for name in ("loss.png", "throughput.png", "memory.png", "comm.png", "goodput.png"):
         assert png_size(folder / name) == (1200, 700), name
         assert (folder / name).stat().st_size > 20_000, f"{name} looks empty"
     assert not (folder / "staleness.png").exists()
     text = ddp_report.read_text()
-    for name in ("loss.png", "throughput.png", "memory.png", "comm.png"):
+    for name in ("loss.png", "throughput.png", "memory.png", "comm.png", "goodput.png"):
         assert f"]({name})" in text  # embedded with a relative link
 
 
@@ -196,6 +207,10 @@ def test_report_states_final_loss_and_percent_above_the_entropy_floor(ddp_report
     assert "| MFU | n/a (no peak FLOPs known for CPU) |" in text
     assert "| peak memory | 520 MiB (rank 0, RSS) |" in text
     assert "| wall time | 42.0 s (training 7.5 s) |" in text
+    assert (
+        "| goodput | 25.0% of 42.0 s in training steps (start-up 20.0, checkpoints 1.5, "
+        "eval 0.5, restarts 6.0, replayed 2.5, other 1.0) |" in text
+    )
 
 
 def test_report_lists_the_restart_where_the_restarts_metric_rises(ddp_report: Path) -> None:

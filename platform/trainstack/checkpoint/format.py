@@ -154,20 +154,42 @@ def spec_hash(spec: dict[str, Any]) -> str:
 
 
 def save_atomically(obj: Any, path: Path) -> None:
-    """torch.save to a temporary name beside `path`, then rename: never a half file."""
+    """torch.save to a temporary name beside `path`, then rename: never a half file.
+
+    Without zip's CRC32 of each record: the manifest's sha256 verifies every file before
+    it is loaded, and the CRC32 was about 40% of torch.save's time (a 1.2 GB state on
+    this project's build machine, 10.4 s with it, 6.2 s without); every torch in range
+    loads such files."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(obj, tmp)
+    with _without_zip_crc32():
+        torch.save(obj, tmp)
     os.replace(tmp, path)
 
 
-def write_rank_files(directory: Path, files: dict[str, Any]) -> dict[str, dict[str, Any]]:
+@contextlib.contextmanager
+def _without_zip_crc32() -> Iterator[None]:
+    """torch.save's CRC32 off inside (torch.utils.serialization.config), as it was after."""
+    from torch.utils.serialization import config
+
+    before = config.save.compute_crc32
+    config.save.compute_crc32 = False
+    try:
+        yield
+    finally:
+        config.save.compute_crc32 = before
+
+
+def write_rank_files(
+    directory: Path, files: dict[str, Any], *, group: dist.ProcessGroup | None = None
+) -> dict[str, dict[str, Any]]:
     """Save this rank's files into `directory`; return their manifest entries. A
-    `ShardedState` is a folder that every rank writes its shards into (a collective)."""
+    `ShardedState` is a folder that every rank writes its shards into (a collective, over
+    `group`: default the default group)."""
     written: list[Path] = []
     for name, obj in files.items():
         if isinstance(obj, sharded.ShardedState):
-            written += sharded.save_sharded(directory / name, obj)
+            written += sharded.save_sharded(directory / name, obj, group=group)
             continue
         save_atomically(obj, directory / name)
         written.append(directory / name)
@@ -180,12 +202,14 @@ def write_rank_files(directory: Path, files: dict[str, Any]) -> dict[str, dict[s
     }
 
 
-def gather_entries(entries: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Every rank's manifest entries, merged (a collective when distributed)."""
+def gather_entries(
+    entries: dict[str, dict[str, Any]], *, group: dist.ProcessGroup | None = None
+) -> dict[str, dict[str, Any]]:
+    """Every rank's manifest entries, merged (a collective over `group` when distributed)."""
     if not (dist.is_available() and dist.is_initialized()):
         return dict(entries)
-    gathered: list[dict[str, dict[str, Any]] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, entries)
+    gathered: list[dict[str, dict[str, Any]] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, entries, group=group)
     merged: dict[str, dict[str, Any]] = {}
     for part in gathered:
         assert part is not None

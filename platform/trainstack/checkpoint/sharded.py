@@ -29,6 +29,7 @@ from torch import nn
 from trainstack.storage import StorePath, open_binary
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from trainstack.checkpoint import Checkpoint
@@ -47,9 +48,11 @@ class ShardedState:
     state: dict[str, Any]
 
 
-def save_sharded(folder: Path, state: ShardedState) -> list[Path]:
-    """Every rank writes its shards of `state` into `folder` (a collective when
-    distributed); return the files this rank wrote."""
+def save_sharded(
+    folder: Path, state: ShardedState, *, group: ProcessGroup | None = None
+) -> list[Path]:
+    """Every rank writes its shards of `state` into `folder` (a collective over `group`,
+    default the default group, when distributed); return the files this rank wrote."""
     import torch.distributed.checkpoint as dcp
 
     from trainstack.checkpoint.blocks import as_blocks
@@ -58,7 +61,7 @@ def save_sharded(folder: Path, state: ShardedState) -> list[Path]:
     before = set(folder.iterdir())
     writer = dcp.FileSystemWriter(folder, single_file_per_rank=True, thread_count=1)
     with single_process_is_intended(), as_blocks(state.state):
-        dcp.save(state.state, storage_writer=writer)
+        dcp.save(state.state, storage_writer=writer, process_group=group)
     return sorted(set(folder.iterdir()) - before)
 
 

@@ -402,6 +402,11 @@ class CheckpointConfig:
     environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)."""
     on_corrupt: str = "fail"
     """When checkpoints exist but none verifies: `fail` (stop with an error) or `restart`."""
+    async_save: bool = True
+    """Write checkpoints in the background: each rank copies its state to host memory and
+    trains on while a thread of its own writes, hashes and commits it (the manifest only
+    once every rank's files landed). At most one save is in flight; the next waits for it.
+    false: the step waits for the whole write, as before."""
 
 
 @dataclass(kw_only=True)

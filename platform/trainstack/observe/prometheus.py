@@ -134,7 +134,17 @@ MOE_DROP_RATE = ExportedSeries(
 CHECKPOINT_SAVE = ExportedSeries(
     name="trainstack_checkpoint_save_seconds",
     kind="gauge",
-    description="Wall time of this rank's last checkpoint save (staging and commit).",
+    description="Seconds the training thread spent on this rank's last checkpoint save "
+    "(with checkpoint.async_save, the copy to host memory and any wait for the save before; "
+    "else the whole write).",
+)
+TIME_SPENT = ExportedSeries(
+    name="trainstack_time_spent_seconds",
+    kind="gauge",
+    description="This worker group's seconds so far in training steps (after its first), "
+    "held-out evaluation and checkpoint stalls (tag part: steps, eval, checkpoint): the "
+    "live part of goodput.",
+    tags=(*RANK_TAGS, "part"),
 )
 RESTARTS = ExportedSeries(
     name="trainstack_restarts",
@@ -179,6 +189,7 @@ SERIES: tuple[ExportedSeries, ...] = (
     MOE_LOAD_CV,
     MOE_DROP_RATE,
     CHECKPOINT_SAVE,
+    TIME_SPENT,
     RESTARTS,
     PS_UPDATES_PER_SECOND,
     PS_STALENESS,
@@ -335,6 +346,11 @@ class RunTelemetry(_Tagged):
         self._set(COMPRESSION_RATIO, record.get("compression_ratio"))
         self._set(MOE_LOAD_CV, record.get("moe_load_cv"))
         self._set(MOE_DROP_RATE, record.get("moe_drop_rate"))
+        for part in ("steps", "eval", "checkpoint"):
+            seconds = record.get(f"time_{part}_s")
+            if seconds is not None:
+                tags = {**self._tags(CHECKPOINT_SAVE), "part": part}
+                _instrument(TIME_SPENT).set(float(seconds), tags=tags)
 
     @_best_effort
     def record_checkpoint(self, seconds: float) -> None:

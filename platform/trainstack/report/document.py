@@ -15,15 +15,17 @@ from trainstack.report.plots import (
     Plot,
     draw_comm,
     draw_experts,
+    draw_goodput,
     draw_loss,
     draw_memory,
     draw_staleness,
     draw_throughput,
 )
 from trainstack.report.runs import MIB, TrackedRun, load_run, mfu_missing
-from trainstack.runtime.progress import bits_per_byte_line
+from trainstack.runtime.progress import bits_per_byte_line, goodput_line
 
 PLOT_FILES = (
+    "goodput.png",
     "loss.png",
     "throughput.png",
     "memory.png",
@@ -61,6 +63,8 @@ def render_report(run: TrackedRun, *, out_dir: Path) -> Path:
         drawers.append(draw_staleness)
     if "moe_load_e0" in run.series:
         drawers.append(draw_experts)
+    if run.number("goodput") is not None:
+        drawers.append(draw_goodput)
     with matplotlib.rc_context(STYLE):
         plots = [draw(run, out_dir) for draw in drawers]
     path = out_dir / "report.md"
@@ -124,6 +128,7 @@ def _final_figures(run: TrackedRun) -> list[tuple[str, str]]:
         ),
         ("restarts", _restart_count(run)),
         ("wall time", _wall_time(run)),
+        ("goodput", goodput_line(run.summary) if run.number("goodput") is not None else "—"),
         ("steps", _fmt(run.number("steps"), "{:,.0f}")),
     ]
     if run.number("eval_bits_per_byte") is not None:

@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from trainstack.report.runs import MIB, Series, TrackedRun, mfu_missing
+from trainstack.runtime.progress import GOODPUT_PARTS, goodput_line
 
 FIGSIZE_IN = (12.0, 7.0)
 DPI = 100
@@ -293,3 +294,44 @@ def _staleness_bound(run: TrackedRun) -> int | None:
     strategy = spec.get("strategy", {}) if isinstance(spec, dict) else {}
     bound = strategy.get("staleness_bound")
     return bound if strategy.get("consistency") == "ssp" and isinstance(bound, int) else None
+
+
+GOODPUT_COLORS = (
+    "tab:green",
+    "tab:gray",
+    "tab:blue",
+    "tab:purple",
+    "tab:red",
+    "tab:orange",
+    "silver",
+)
+"""One per part of `GOODPUT_PARTS`: the steps green, a restart's cost red."""
+
+
+def draw_goodput(run: TrackedRun, out_dir: Path) -> Plot:
+    """The run's wall time as one bar, split into its parts (`goodput_*_s`)."""
+    title = "Goodput"
+    if run.number("goodput") is None:
+        return Plot(title=title, file=None, note="Not drawn: the run's summary has no goodput.")
+    fig, axes = _new_figure()
+    ax = axes[0][0]
+    left = 0.0
+    for (name, key), color in zip(GOODPUT_PARTS, GOODPUT_COLORS, strict=True):
+        seconds = max(0.0, run.number(key) or 0.0)
+        if seconds == 0.0:
+            continue
+        ax.barh([0], [seconds], left=left, color=color, label=f"{name} {seconds:.1f} s")
+        left += seconds
+    ax.set(
+        title=f"{run.name}: where the wall time went (goodput {run.number('goodput'):.1%})",
+        xlabel="seconds",
+        yticks=[],
+    )
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=4)
+    note = (
+        f"{goodput_line(run.summary)}. Steps: training steps after each worker group's "
+        "first; start-up: to the first group's first step; checkpoints: the training "
+        "thread's time on saves; restarts: from a failure to the new group's first step; "
+        "replayed: steps done again after a restart."
+    )
+    return _save(fig, out_dir, "goodput.png", title=title, note=note)

@@ -66,6 +66,10 @@ def controller_watches(events: Queue) -> list[Any]:
     return [FailureWatch(events)] + ([start_attempts] if start_attempts is not None else [])
 
 
+SPENT = ("time_steps_s", "time_eval_s", "time_checkpoint_s")
+"""The seconds a worker group's log records and summary give, for goodput."""
+
+
 @dataclass(kw_only=True)
 class RunFollower:
     """What the driver learns from the event queue while the run goes on."""
@@ -89,6 +93,11 @@ class RunFollower:
     step, its first step, or the step it resumed from."""
     first_step: FirstStep | None = None
     """The first worker group's first step (start-up ends there)."""
+    first_steps: dict[int, FirstStep] = field(default_factory=dict)
+    """Each worker group's first step, by attempt."""
+    spent: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Each worker group's seconds in steps, evaluation and checkpoint stalls as its last
+    log record gave them (`time_*_s`, from the step of `step`), by attempt."""
 
     def handle(self, record: dict[str, Any]) -> None:
         """One record from the queue: a log record (it has a "step" and no "event"), or
@@ -106,6 +115,8 @@ class RunFollower:
 
     def log_record(self, record: dict[str, Any]) -> None:
         self.last_step = record["step"]
+        if "time_steps_s" in record:
+            self.spent[self.attempt] = {k: record[k] for k in (*SPENT, "step")}
         self.tracker.log_metrics({**record, "restarts": self.restarts}, step=record["step"])
         if self.display is not None:
             self.display.update({**record, "restarts": self.restarts})
@@ -131,6 +142,7 @@ class RunFollower:
 
     def on_first_step(self, event: FirstStep) -> None:
         self.last_step = event.step
+        self.first_steps.setdefault(self.attempt, event)
         if self.first_step is None:
             self.first_step = event
 
@@ -212,6 +224,58 @@ class RunFollower:
             "first_step_s": first.time - start.time,
             "to_first_step_s": first.time - began,
         }
+
+    def goodput(self, *, began: float, ended: float, final: dict[str, Any]) -> dict[str, float]:
+        """Where the run's wall time went, in seconds, and `goodput`: the share of it in
+        training steps that count. `began` and `ended` are the driver's wall clock (the
+        run asked for, its summary in hand), `final` the last worker group's summary.
+
+        - start-up: to the first worker group's first step (checks, Ray, the group, the
+          model, the first step and any compilation);
+        - steps: the steps after each group's first, less the replayed ones;
+        - checkpoint: the training thread's time on saves (the final save is in `other`);
+        - evaluation: held-out evaluation, the final one included;
+        - restarts: from each failure (the last the driver heard of the failed group)
+          to the new group's first step;
+        - replayed: steps done again after a restart (each at its group's mean step);
+        - other: the rest (logging, the run's end, what a failed group did after the
+          last record it sent).
+        """
+        spent = dict(self.spent)
+        spent[self.attempt] = {k: final.get(k, 0.0) for k in SPENT}
+        steps = sum(s["time_steps_s"] for s in spent.values())
+        split = {
+            "startup_s": (self.first_step.time if self.first_step else ended) - began,
+            "checkpoint_s": sum(s["time_checkpoint_s"] for s in spent.values()),
+            "eval_s": sum(s["time_eval_s"] for s in spent.values()),
+            "restarts_s": 0.0,
+            "replayed_s": 0.0,
+        }
+        for attempt, lost in enumerate(self.recovery()):
+            failed = self._failure_time(attempt)
+            first = self.first_steps.get(attempt + 1)
+            if failed is not None and first is not None:
+                split["restarts_s"] += max(0.0, first.time - failed)
+            before = self.spent.get(attempt)
+            if lost["steps_lost"] and before:
+                done = before["step"] - self.starts[attempt].resumed_from_step - 1
+                mean = before["time_steps_s"] / done if done > 0 else 0.0
+                split["replayed_s"] += lost["steps_lost"] * mean
+        wall = ended - began
+        split["steps_s"] = max(0.0, steps - split["replayed_s"])
+        split["other_s"] = wall - sum(split.values())
+        return {"goodput": split["steps_s"] / wall if wall > 0 else 0.0, "wall_s": wall, **split}
+
+    def _failure_time(self, attempt: int) -> float | None:
+        """When worker group `attempt` was seen to fail: its injected kill, else the
+        controller's report."""
+        for ended, fault in self.faults:
+            if ended == attempt:
+                return fault.time
+        for ended, _, failure in self.failures:
+            if ended == attempt:
+                return failure.time
+        return None
 
     def recovery(self) -> list[dict[str, Any]]:
         """Per restart: the step it resumed from, the last step finished before the

@@ -23,7 +23,8 @@ import torch.multiprocessing as mp
 
 from trainstack import checkpoint as ckpt
 from trainstack.config import ConfigError, JobConfig, config_from_dict, config_to_dict
-from trainstack.runtime.loop import DirectoryCheckpointStore, train
+from trainstack.runtime.checkpointing import DirectoryCheckpointStore
+from trainstack.runtime.loop import train
 from trainstack.runtime.preflight import preflight
 from trainstack.storage import is_store_uri
 from trainstack.strategies import WorkerContext

@@ -18,12 +18,15 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import ray.train
 import ray.train.torch
 from ray.util.queue import Queue
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 from trainstack import checkpoint as ckpt
 from trainstack.compat.ray import (
@@ -66,7 +69,16 @@ class RunFailedError(RuntimeError):
 class RayCheckpointStore:
     """Each rank hands its staged files to Ray Train, which merges them in storage."""
 
-    def commit(self, staging: Path, *, name: str, metrics: dict[str, Any]) -> None:
+    def commit(
+        self,
+        staging: Path,
+        *,
+        name: str,
+        metrics: dict[str, Any],
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        """Ray Train's report (its own synchronisation across ranks; `group` unused). Only
+        checkpoints are reported, so a background save's thread is the only caller."""
         ray.train.report(
             metrics,
             checkpoint=ray.train.Checkpoint.from_directory(str(staging)),
@@ -258,6 +270,9 @@ def run_job(
         tracking_error=tracker.error,
         strategy_choice=choice,
     )
+    split = follower.goodput(began=began, ended=time.time(), final=summary)
+    summary.update({"goodput": split.pop("goodput"), "goodput_wall_s": split.pop("wall_s")})
+    summary.update({f"goodput_{part}": seconds for part, seconds in split.items()})
     tracker.finish(summary, failed=False)
     return summary
 

@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +33,7 @@ from trainstack.models.on_meta import has_meta_parameters
 from trainstack.observe.prometheus import RunTelemetry
 from trainstack.observe.throughput import ThroughputMeter, device_peak_flops, mfu, peak_memory_bytes
 from trainstack.run_events import FirstStep, Start
+from trainstack.runtime.checkpointing import CheckpointSaver, CheckpointStore
 from trainstack.runtime.expert_load import ExpertLoad
 from trainstack.storage import Location
 from trainstack.strategies import Strategy, WorkerContext, build_strategy
@@ -48,38 +46,6 @@ from trainstack.strategies.base import (
 from trainstack.tasks import build_task
 
 LogFn = Callable[[dict[str, Any]], None]
-
-
-class CheckpointStore(Protocol):
-    """Where a rank's staged checkpoint files go: Ray Train's storage, or a local directory."""
-
-    def commit(self, staging: Path, *, name: str, metrics: dict[str, Any]) -> None:
-        """Make this rank's files in `staging` part of checkpoint `name`. A collective."""
-
-
-class DirectoryCheckpointStore:
-    """Ranks copy their staged files into `.partial-<name>`; rank 0 renames it into place.
-
-    The store of `runtime/gloo_processes.py`'s processes, and of the parameter server's driver for
-    its final checkpoint (one rank, not distributed)."""
-
-    def __init__(self, run_dir: Path, *, rank: int, distributed: bool) -> None:
-        self.run_dir = run_dir
-        self.rank = rank
-        self.distributed = distributed
-
-    def commit(self, staging: Path, *, name: str, metrics: dict[str, Any]) -> None:
-        partial = self.run_dir / f".partial-{name}"
-        shutil.copytree(staging, partial, dirs_exist_ok=True)
-        if self.distributed:
-            dist.barrier()
-        if self.rank == 0:
-            final = self.run_dir / name
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(partial, final)
-        if self.distributed:
-            dist.barrier()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,32 +176,68 @@ def train(
             world_size=ctx.world_size,
         )
 
+    saver = CheckpointSaver(
+        rank=ctx.rank,
+        distributed=ctx.is_distributed,
+        store=store,
+        checkpoints=checkpoints,
+        keep=cfg.checkpoint.keep,
+        background=cfg.checkpoint.async_save,
+    )
+
     def save(step: int, metrics: dict[str, Any]) -> None:
-        started = time.perf_counter()
         seen = batches.cursor.samples_seen
-        _save_checkpoint(
-            cfg,
-            ctx,
-            strategy,
-            spec=spec,
-            checkpoints=checkpoints,
-            store=store,
-            step=step,
-            samples_seen=seen,
-            metrics=metrics,
-            shapes=shapes,
-            data={
-                "fingerprint": corpus.fingerprint,
-                "epoch": data_epoch(corpus, seen, seq_len=seq_len),
-                **(batches.position() if isinstance(batches, RayStepBatches) else {}),
-            },
-        )
-        telemetry.record_checkpoint(time.perf_counter() - started)
+        data = {
+            "fingerprint": corpus.fingerprint,
+            "epoch": data_epoch(corpus, seen, seq_len=seq_len),
+            **(batches.position() if isinstance(batches, RayStepBatches) else {}),
+        }
+
+        def manifest(entries: dict[str, dict[str, Any]]) -> dict[str, Any]:
+            return ckpt.build_manifest(
+                step=step,
+                samples_seen=seen,
+                tokens_seen=seen * cfg.tokens_per_sample,
+                spec=spec,
+                model_shapes=shapes,
+                data=data,
+                strategy=strategy.name,
+                world_size=ctx.world_size,
+                files=entries,
+                metrics=metrics,
+            )
+
+        def files() -> dict[str, Any]:
+            return {
+                **strategy.checkpoint_files(),
+                ckpt.rank_file("rng", ctx.rank): ckpt.rng_state(),
+            }
+
+        saver.save(files, name=ckpt.dir_name(step), metrics=metrics, manifest=manifest)
+        telemetry.record_checkpoint(saver.times.last_stall_s)
+
+    # This worker group's seconds in training steps (less its first, which start-up or
+    # the restart counts) and in evaluation: with the saver's stall, what goodput reads.
+    spent = {"steps_s": 0.0, "eval_s": 0.0}
+
+    def time_spent() -> dict[str, float]:
+        return {
+            "time_steps_s": spent["steps_s"],
+            "time_eval_s": spent["eval_s"],
+            "time_checkpoint_s": saver.times.stall_s,
+        }
 
     def held_out() -> dict[str, float]:
         """The task's metrics on the held-out samples (a collective); {} without them."""
         if cfg.data.eval_samples == 0:
             return {}
+        started = time.perf_counter()
+        try:
+            return _evaluate()
+        finally:
+            spent["eval_s"] += time.perf_counter() - started
+
+    def _evaluate() -> dict[str, float]:
         batches = eval_batches(
             corpus,
             count=cfg.data.eval_samples,
@@ -249,6 +251,7 @@ def train(
     if restored is not None and start_step >= cfg.train.steps:
         summary = dict(restored.manifest["metrics"])  # the run had finished: report it again
         save(start_step, summary)
+        saver.wait()
         return TrainOutcome(summary=summary, strategy=strategy)
 
     routing = ExpertLoad.of(strategy.unwrapped_model(), device=ctx.device)
@@ -256,10 +259,13 @@ def train(
     train_loss = math.nan
     record: dict[str, Any] = {}
     for step in range(start_step, cfg.train.steps):
-        faults.before_step(step + 1)
+        faults.before_step(step + 1, settle=saver.wait)
         step_start = time.perf_counter()
         out = strategy.train_step(batches.next_step())
-        meter.record(time.perf_counter() - step_start)
+        step_s = time.perf_counter() - step_start
+        meter.record(step_s)
+        if step > start_step:
+            spent["steps_s"] += step_s
         if routing is not None:
             routing.after_step()  # a collective: every rank calls it
 
@@ -287,6 +293,7 @@ def train(
             evals = cfg.log.eval_every_steps
             if evals and done % evals == 0 and done < cfg.train.steps:
                 record.update(held_out())
+            record.update(time_spent())
             if ctx.rank == 0:
                 emit(record)
             telemetry.record_step(record)  # every rank: dashboard series tagged by rank
@@ -328,7 +335,11 @@ def train(
     }
     if isinstance(batches, RayStepBatches):
         summary["rows_consumed"] = batches.cursor.samples_seen  # steps x global batch, once
+    saver.wait()  # the loop's last save lands (the final one would wait for it anyway)
+    summary.update(saver.times.metrics())  # the loop's saves: the final one is not in them
+    summary.update(time_spent())
     save(cfg.train.steps, summary)
+    saver.wait()  # the run's last checkpoint is committed before the run reports its end
     return TrainOutcome(summary=summary, strategy=strategy)
 
 
@@ -365,44 +376,6 @@ def _comm_metrics(out: StepOutput) -> dict[str, Any]:
     if out.bytes_on_wire is None:
         return {}
     return {"bytes_on_wire": out.bytes_on_wire, "compression_ratio": out.compression_ratio}
-
-
-def _save_checkpoint(
-    cfg: JobConfig,
-    ctx: WorkerContext,
-    strategy: Strategy,
-    *,
-    spec: dict[str, Any],
-    checkpoints: Location,
-    store: CheckpointStore,
-    step: int,
-    samples_seen: int,
-    metrics: dict[str, Any],
-    shapes: dict[str, list[int]],
-    data: dict[str, Any],
-) -> None:
-    """Every rank stages its files; rank 0 adds the manifest listing all of them."""
-    with tempfile.TemporaryDirectory(prefix="trainstack-ckpt-") as tmp:
-        staging = Path(tmp)
-        files = {**strategy.checkpoint_files(), ckpt.rank_file("rng", ctx.rank): ckpt.rng_state()}
-        entries = ckpt.gather_entries(ckpt.write_rank_files(staging, files))
-        if ctx.rank == 0:
-            manifest = ckpt.build_manifest(
-                step=step,
-                samples_seen=samples_seen,
-                tokens_seen=samples_seen * cfg.tokens_per_sample,
-                spec=spec,
-                model_shapes=shapes,
-                data=data,
-                strategy=strategy.name,
-                world_size=ctx.world_size,
-                files=entries,
-                metrics=metrics,
-            )
-            ckpt.write_manifest(staging, manifest)
-        store.commit(staging, name=ckpt.dir_name(step), metrics=metrics)
-    if ctx.rank == 0:
-        ckpt.prune(checkpoints, keep=cfg.checkpoint.keep)
 
 
 def _restore(

@@ -42,8 +42,9 @@ from trainstack.ps.placement import OWN_RESOURCES, shard_cpus, shard_strategies
 from trainstack.ps.shard import ParameterServerShard
 from trainstack.ps.worker import ParameterServerWorker
 from trainstack.runtime.capacity import start_timeout_message
+from trainstack.runtime.checkpointing import DirectoryCheckpointStore
 from trainstack.runtime.cluster import on_this_node
-from trainstack.runtime.loop import DirectoryCheckpointStore, data_epoch
+from trainstack.runtime.loop import data_epoch
 from trainstack.runtime.progress import ProgressDisplay
 from trainstack.tasks import EvalSums, build_task, eval_mode, evaluate
 
