@@ -17,7 +17,6 @@ for it, and the wait is counted as a stall (`SaveTimes`).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import shutil
@@ -196,16 +195,6 @@ class HostStager:
         return view.set_(copied, tensor.storage_offset(), tensor.shape, tensor.stride())
 
 
-def _lowest_cpu_priority() -> None:
-    """The calling thread at nice 19 (Linux, where a thread is a task of its own): where
-    training keeps every core busy (a CPU run), the write takes what the steps leave.
-    Measured on 2 cores, DDP of a 99M GPT saving 1.2 GB every 5 steps of 2.4 s: without
-    it training ran at 0.83 of a run without checkpoints (benchmarks/checkpoint.py)."""
-    if sys.platform == "linux":
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-
-
 def _dtensor_class() -> Any | None:
     """DTensor when this process has imported it (no DTensor exists otherwise): importing
     it costs a process that never shards most of a second."""
@@ -290,7 +279,6 @@ class CheckpointSaver:
             raise RuntimeError(f"writing a checkpoint failed: {failure}") from failure
 
     def _write_in_background(self, **kwargs: Any) -> None:
-        _lowest_cpu_priority()
         try:
             self._write(**kwargs)
         except BaseException as err:  # handed to the training thread by `wait`
