@@ -295,9 +295,10 @@ class _Tagged:
         if actor_was_restarted():
             self._inc(RESTARTS, {**self.tags, "component": component})
 
-    def _set(self, series: ExportedSeries, value: float | None) -> None:
+    def _set(self, series: ExportedSeries, value: float | None, **tags: str) -> None:
+        """Set `series` to `value` (skipped when None), with `tags` beside the run's."""
         if value is not None:
-            _instrument(series).set(float(value), tags=self._tags(series))
+            _instrument(series).set(float(value), tags=self._tags(series, **tags))
 
     def _observe(self, series: ExportedSeries, value: float) -> None:
         _instrument(series).observe(float(value), tags=self._tags(series))
@@ -305,8 +306,9 @@ class _Tagged:
     def _inc(self, series: ExportedSeries, tags: dict[str, str]) -> None:
         _instrument(series).inc(1.0, tags={key: tags[key] for key in series.tags})
 
-    def _tags(self, series: ExportedSeries) -> dict[str, str]:
-        return {key: self.tags[key] for key in series.tags}
+    def _tags(self, series: ExportedSeries, **extra: str) -> dict[str, str]:
+        tags = {**self.tags, **extra}
+        return {key: tags[key] for key in series.tags}
 
 
 @dataclass(kw_only=True)
@@ -347,10 +349,7 @@ class RunTelemetry(_Tagged):
         self._set(MOE_LOAD_CV, record.get("moe_load_cv"))
         self._set(MOE_DROP_RATE, record.get("moe_drop_rate"))
         for part in ("steps", "eval", "checkpoint"):
-            seconds = record.get(f"time_{part}_s")
-            if seconds is not None:
-                tags = {**self._tags(CHECKPOINT_SAVE), "part": part}
-                _instrument(TIME_SPENT).set(float(seconds), tags=tags)
+            self._set(TIME_SPENT, record.get(f"time_{part}_s"), part=part)
 
     @_best_effort
     def record_checkpoint(self, seconds: float) -> None:

@@ -224,7 +224,6 @@ class CheckpointSaver:
         self.store = store
         self.checkpoints = checkpoints
         self.keep = keep
-        self.background = background
         self.times = SaveTimes()
         self._group = dist.new_group(backend="gloo") if background and distributed else None
         self._stager = HostStager() if background else None

@@ -91,8 +91,6 @@ class RunFollower:
     last_step: int = 0
     """The newest step the current attempt is known to have finished: its last logged
     step, its first step, or the step it resumed from."""
-    first_step: FirstStep | None = None
-    """The first worker group's first step (start-up ends there)."""
     first_steps: dict[int, FirstStep] = field(default_factory=dict)
     """Each worker group's first step, by attempt."""
     spent: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -143,8 +141,6 @@ class RunFollower:
     def on_first_step(self, event: FirstStep) -> None:
         self.last_step = event.step
         self.first_steps.setdefault(self.attempt, event)
-        if self.first_step is None:
-            self.first_step = event
 
     def on_fault(self, event: Fault) -> None:
         """An injected kill: the step it ended is known exactly."""
@@ -195,6 +191,11 @@ class RunFollower:
             self.display.note(
                 f"resized {before} → {now} workers at step {resize['step']} ({resize['reason']})"
             )
+
+    @property
+    def first_step(self) -> FirstStep | None:
+        """The first step any worker group finished (start-up ends there)."""
+        return next(iter(self.first_steps.values()), None)
 
     @property
     def restarts(self) -> int:
@@ -252,10 +253,10 @@ class RunFollower:
             "replayed_s": 0.0,
         }
         for attempt, lost in enumerate(self.recovery()):
-            failed = self._failure_time(attempt)
+            end = self._end_of(attempt)
             first = self.first_steps.get(attempt + 1)
-            if failed is not None and first is not None:
-                split["restarts_s"] += max(0.0, first.time - failed)
+            if end is not None and first is not None:
+                split["restarts_s"] += max(0.0, first.time - end[1])
             before = self.spent.get(attempt)
             if lost["steps_lost"] and before:
                 done = before["step"] - self.starts[attempt].resumed_from_step - 1
@@ -265,17 +266,6 @@ class RunFollower:
         split["steps_s"] = max(0.0, steps - split["replayed_s"])
         split["other_s"] = wall - sum(split.values())
         return {"goodput": split["steps_s"] / wall if wall > 0 else 0.0, "wall_s": wall, **split}
-
-    def _failure_time(self, attempt: int) -> float | None:
-        """When worker group `attempt` was seen to fail: its injected kill, else the
-        controller's report."""
-        for ended, fault in self.faults:
-            if ended == attempt:
-                return fault.time
-        for ended, _, failure in self.failures:
-            if ended == attempt:
-                return failure.time
-        return None
 
     def recovery(self) -> list[dict[str, Any]]:
         """Per restart: the step it resumed from, the last step finished before the
@@ -302,12 +292,19 @@ class RunFollower:
 
     def _failed_after(self, attempt: int) -> int | None:
         """The last step worker group `attempt` finished before it failed."""
+        ended = self._end_of(attempt)
+        return None if ended is None else ended[0]
+
+    def _end_of(self, attempt: int) -> tuple[int, float] | None:
+        """How worker group `attempt` ended, as (the last step it finished, when it was
+        seen to fail): its injected kill, else the controller's report; None if neither
+        was seen."""
         for ended, fault in self.faults:
             if ended == attempt:
-                return fault.step - 1
-        for ended, after_step, _ in self.failures:
+                return fault.step - 1, fault.time
+        for ended, after_step, failure in self.failures:
             if ended == attempt:
-                return after_step
+                return after_step, failure.time
         return None
 
 
