@@ -1,5 +1,6 @@
 """Test-only fault injection: a worker process dies on purpose just before a chosen step
-(and, with `faults.step_delay_s`, every step takes longer).
+(and, with `faults.step_delay_s`, every step takes longer). With `faults.mid_save` it
+dies while the checkpoint before that step is still being written in the background.
 
 Driven by the spec's `faults` section (off by default). Each planned kill fires once
 per run: a marker file in the run directory records it (`first_firing`, which the
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -59,19 +61,34 @@ class FaultInjector:
         self.marker_dir = marker_dir
         self.on_fire = on_fire
         self.delay_s = cfg.faults.step_delay_s
+        self.mid_save = cfg.faults.mid_save
+        self.every_steps = cfg.checkpoint.every_steps
 
     def before_step(self, step: int, *, settle: Callable[[], None] | None = None) -> None:
         """Die now if this rank is planned to die before `step` and has not yet; sleep
         `faults.step_delay_s` first. `settle` runs just before a planned death: the
         checkpoint being written in the background lands first, so the run resumes from
-        the step a test plans for (a real failure waits for nothing)."""
+        the step a test plans for (a real failure waits for nothing). Not with
+        `faults.mid_save`: then that checkpoint is the one the death cuts short."""
         if self.delay_s:
             time.sleep(self.delay_s)
         if step not in self.plan:
             return
         if not first_firing(self.marker_dir / f"killed_before_step_{step}"):
             return  # fired in an earlier attempt; this is the replay
-        if settle is not None:
+        if settle is not None and not self.mid_save:
             settle()
         self.on_fire(Fault(step=step, rank=self.rank).to_record())
         os._exit(17)
+
+    def while_saving(self, step: int) -> None:
+        """Called by the checkpoint writer of step `step` once this rank's files are
+        written, before anything is committed. With `faults.mid_save`, where this rank
+        dies before one of the next `checkpoint.every_steps` steps (and has not yet),
+        the writer holds here for good: the death finds the save in flight."""
+        if not self.mid_save:
+            return
+        for kill in self.plan:
+            fired = (self.marker_dir / f"killed_before_step_{kill}").exists()
+            if step < kill <= step + self.every_steps and not fired:
+                threading.Event().wait()  # the process dies around this thread

@@ -47,18 +47,37 @@ def weights(out: Path) -> dict[str, torch.Tensor]:
     return torch.load(out / "model.pt", weights_only=True)
 
 
-def test_resume_after_a_killed_worker_is_bitwise_identical(tmp_path: Path) -> None:
-    run_processes(config_from_dict(spec(tmp_path / "a")), world_size=2, out_dir=tmp_path / "a")
-    killed = config_from_dict(spec(tmp_path / "b", kill=13))
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 20 steps of `spec` on two ranks, never killed: the run every resume matches."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    run_processes(config_from_dict(spec(out)), world_size=2, out_dir=out)
+    return out
+
+
+@pytest.mark.parametrize("mid_save", [False, True], ids=["after-save", "mid-save"])
+def test_resume_after_a_killed_worker_is_bitwise_identical(
+    tmp_path: Path, uninterrupted: Path, mid_save: bool
+) -> None:
+    """Rank 1 dies before step 13. Once checkpoint 10 has landed, the rerun resumes from
+    it. With `mid_save`, rank 1 dies while checkpoint 10 is still being written in the
+    background: nothing of it is committed, and the rerun resumes from checkpoint 5."""
+    raw = spec(tmp_path / "b", kill=13)
+    raw["faults"]["mid_save"] = mid_save
+    killed = config_from_dict(raw)
     with pytest.raises(Exception, match="exit code 17"):
         run_processes(killed, world_size=2, out_dir=tmp_path / "b")
+    run_dir = ckpt.run_dir_for(killed)
+    newest = ckpt.latest_valid(run_dir, warn=lambda _: None)[0]
+    assert newest is not None and newest.step == (5 if mid_save else 10)
+    assert (run_dir / ckpt.dir_name(10)).exists() is not mid_save
     run_processes(killed, world_size=2, out_dir=tmp_path / "b")  # the rerun resumes
 
-    assert [s["resumed_from_step"] for s in starts(tmp_path / "b")] == [0, 10]
-    uninterrupted, resumed = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert [s["resumed_from_step"] for s in starts(tmp_path / "b")] == [0, newest.step]
+    resumed = losses(tmp_path / "b")
     assert sorted(resumed) == list(range(1, 21))
-    assert resumed == uninterrupted  # every step's loss, exactly
-    reference = weights(tmp_path / "a")
+    assert resumed == losses(uninterrupted)  # every step's loss, exactly
+    reference = weights(uninterrupted)
     for name, value in weights(tmp_path / "b").items():
         assert torch.equal(value, reference[name]), name
 

@@ -438,6 +438,10 @@ class FaultsConfig:
     step_delay_s: float = 0.0
     """Every training worker sleeps this long before each step, as a larger
     model would take, so a test can act on the cluster while the run is mid-way."""
+    mid_save: bool = False
+    """A planned kill fires while the checkpoint saved before it is still being written
+    in the background (the dying rank's writer holds before it commits), not once it has
+    landed: the rerun must resume from the checkpoint before that one."""
 
 
 @dataclass(kw_only=True)

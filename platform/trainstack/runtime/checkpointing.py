@@ -237,21 +237,30 @@ class CheckpointSaver:
         name: str,
         metrics: dict[str, Any],
         manifest: Callable[[dict[str, dict[str, Any]]], dict[str, Any]],
+        written: Callable[[], None] | None = None,
     ) -> None:
         """Save checkpoint `name`: `files()` is this rank's state (called here, on the
         training thread), `manifest(entries)` rank 0's manifest given every rank's file
-        entries. Returns once the state is copied (background) or committed."""
+        entries; `written()` runs once this rank's files are written, before anything is
+        committed (faults use it). Returns once the state is copied (background) or
+        committed."""
         started = time.perf_counter()
         self._join()
         state = files()
         if self._stager is None:
-            self._write(state, name=name, metrics=metrics, manifest=manifest)
+            self._write(state, name=name, metrics=metrics, manifest=manifest, written=written)
         else:
             staged = self._stager.stage(state)
             del state
             self._thread = threading.Thread(
                 target=self._write_in_background,
-                kwargs={"state": staged, "name": name, "metrics": metrics, "manifest": manifest},
+                kwargs={
+                    "state": staged,
+                    "name": name,
+                    "metrics": metrics,
+                    "manifest": manifest,
+                    "written": written,
+                },
                 name=f"trainstack-checkpoint-{name}",
                 daemon=True,
             )
@@ -290,6 +299,7 @@ class CheckpointSaver:
         name: str,
         metrics: dict[str, Any],
         manifest: Callable[[dict[str, dict[str, Any]]], dict[str, Any]],
+        written: Callable[[], None] | None,
     ) -> None:
         """Every rank writes its files; rank 0 adds the manifest listing all of them."""
         started = time.perf_counter()
@@ -297,6 +307,8 @@ class CheckpointSaver:
         with tempfile.TemporaryDirectory(prefix="trainstack-ckpt-") as tmp:
             staging = Path(tmp)
             entries = ckpt.write_rank_files(staging, state, group=group)
+            if written is not None:
+                written()
             entries = ckpt.gather_entries(entries, group=group)
             if self.rank == 0:
                 ckpt.write_manifest(staging, manifest(entries))

@@ -213,7 +213,13 @@ def train(
                 ckpt.rank_file("rng", ctx.rank): ckpt.rng_state(),
             }
 
-        saver.save(files, name=ckpt.dir_name(step), metrics=metrics, manifest=manifest)
+        saver.save(
+            files,
+            name=ckpt.dir_name(step),
+            metrics=metrics,
+            manifest=manifest,
+            written=lambda: faults.while_saving(step),
+        )
         telemetry.record_checkpoint(saver.times.last_stall_s)
 
     # This worker group's seconds in training steps (less its first, which start-up or

@@ -190,6 +190,11 @@ def validate_faults(cfg: JobConfig) -> None:
     require(
         "faults.step_delay_s", 0 <= delay <= MAX_STEP_DELAY_S, delay, f"0 to {MAX_STEP_DELAY_S}"
     )
+    if f.mid_save and not (cfg.checkpoint.async_save and cfg.checkpoint.every_steps > 0):
+        raise ConfigError(
+            "faults.mid_save=true needs a save in flight; allowed: with "
+            "checkpoint.async_save=true and checkpoint.every_steps > 0, or faults.mid_save=false"
+        )
 
 
 def validate_cross_section(cfg: JobConfig) -> None:
