@@ -20,11 +20,10 @@ settings.register_profile("explore", deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
 
 # Every Ray instance the suite starts (in-process, simulated clusters, `ray start`, the
-# CLI's subprocesses) inherits these. Ray Train's controller polls its workers each
-# period (default 2 s: every run's reports, end and restart wait for the poll); and it
-# starts an actor per worker group to watch for node drains (preemption), a process of
-# its own that no test uses: one process fewer per group start.
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+# CLI's subprocesses) inherits this. Ray Train starts an actor per worker group to watch
+# for node drains (preemption), a process of its own that no test uses: one process
+# fewer per group start. (How often the controller polls the group, which every run's
+# reports, end and restart wait for, is the spec's `failure.health_check_s`.)
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
 EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")

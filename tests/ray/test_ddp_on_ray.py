@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from trainstack.config import load_config
-from trainstack.runtime.capacity import WORKER_GROUP_START_TIMEOUT_ENV
+from trainstack.runtime.capacity import HEALTH_CHECK_INTERVAL_ENV, WORKER_GROUP_START_TIMEOUT_ENV
 from trainstack.runtime.launcher import RunFailedError, run_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,3 +49,4 @@ def test_workers_that_find_no_room_end_the_run_after_max_failures_plus_1_start_a
     # Each attempt waits start_timeout_s; failure.max_failures more follow the first.
     assert [a["workers"] for a in attempts] == [8, 8, 8]
     assert WORKER_GROUP_START_TIMEOUT_ENV not in os.environ  # restored after the fit
+    assert HEALTH_CHECK_INTERVAL_ENV not in os.environ  # the spec's, for the fit only

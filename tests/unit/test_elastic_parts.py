@@ -80,6 +80,7 @@ def test_min_max_is_shorthand_for_num_workers_and_min_workers_and_round_trips() 
             "scaling.resize_check_s=0.0 is out of range; allowed: > 0",
         ),
         ({"faults": {"step_delay_s": -1}}, "faults.step_delay_s=-1.0 is out of range"),
+        ({"failure": {"health_check_s": 0}}, "failure.health_check_s=0.0 is out of range"),
         (
             {"faults": {"mid_save": True}, "checkpoint": {"async_save": False}},
             "faults.mid_save=true needs a save in flight; allowed: with checkpoint.async_save",

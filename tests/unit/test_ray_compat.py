@@ -33,7 +33,11 @@ from trainstack.compat import ray as ray_compat
 from trainstack.config import ConfigError, config_from_dict
 from trainstack.machine import local_cpus
 from trainstack.runtime import cluster, launcher
-from trainstack.runtime.capacity import WORKER_GROUP_START_TIMEOUT_ENV, is_start_timeout
+from trainstack.runtime.capacity import (
+    HEALTH_CHECK_INTERVAL_ENV,
+    WORKER_GROUP_START_TIMEOUT_ENV,
+    is_start_timeout,
+)
 from trainstack.runtime.events import FailureWatch, StartAttemptRecorder, controller_watches
 from trainstack.runtime.preflight import check_ray_features
 from trainstack.sweep.tuning import NODE_SHARE, trial_resources
@@ -291,8 +295,11 @@ def test_this_ray_has_exactly_the_features_whose_release_it_has_reached() -> Non
         assert feature.available == (installed >= since), feature.name
 
 
-def test_the_start_timeout_setting_trainstack_names_is_the_one_ray_train_reads() -> None:
+def test_the_controller_settings_trainstack_names_are_the_ones_ray_train_reads() -> None:
     assert rays(CONSTANTS, "WORKER_GROUP_START_TIMEOUT_S_ENV_VAR") == WORKER_GROUP_START_TIMEOUT_ENV
+    assert rays(CONSTANTS, "HEALTH_CHECK_INTERVAL_S_ENV_VAR") == HEALTH_CHECK_INTERVAL_ENV
+    propagated = rays(CONSTANTS, "ENV_VARS_TO_PROPAGATE")  # driver -> controller
+    assert {WORKER_GROUP_START_TIMEOUT_ENV, HEALTH_CHECK_INTERVAL_ENV} <= propagated
 
 
 def test_elastic_groups_on_a_ray_without_them_are_refused_in_one_line_naming_the_release(

@@ -413,6 +413,11 @@ class CheckpointConfig:
 class FailureConfig:
     max_failures: int = 0
     """Worker-group restarts allowed before the run fails (>= 0; -1: unlimited)."""
+    health_check_s: float = 0.25
+    """How often Ray Train's controller polls the worker group, in seconds (Ray's
+    `RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`, whose default is 2). The controller takes each
+    checkpoint's report, sees the run end and sees a worker fail at that pace. Each poll
+    asks every worker once, so a group of hundreds may want a longer interval."""
 
 
 @dataclass(kw_only=True)

@@ -263,27 +263,37 @@ WORKER_GROUP_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 """Ray Train's setting (its start-timeout error names it) for how long the controller
 waits for a worker group's placement group, in seconds; default 60."""
 
+HEALTH_CHECK_INTERVAL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+"""Ray Train's setting for how often its controller polls the worker group, in seconds;
+default 2. A poll is when the controller takes a worker's report (a rank's next report
+waits until the one before is taken), sees the group finish, and sees a worker fail."""
+
+
+def controller_env(cfg: JobConfig) -> dict[str, str]:
+    """The Ray Train settings a run's controller gets from the driver's environment:
+    the worker-group start timeout (`attempt_timeout_s`: 0 keeps Ray's default, a 60 s
+    wait retried forever) and the poll interval (`failure.health_check_s`)."""
+    env = {HEALTH_CHECK_INTERVAL_ENV: str(cfg.failure.health_check_s)}
+    timeout_s = attempt_timeout_s(cfg)
+    if timeout_s:
+        env[WORKER_GROUP_START_TIMEOUT_ENV] = str(timeout_s)
+    return env
+
 
 @contextlib.contextmanager
-def worker_group_start_timeout(timeout_s: float) -> Iterator[None]:
-    """Ray Train's worker-group start timeout set to `timeout_s` for the fit inside.
-
-    Ray Train reads it from the driver's environment when it starts the controller,
-    which waits that long for the workers' placement group (the pending request is what
-    an autoscaler scales up for). With the controller allowed no retries
-    (`FailureConfig(controller_failure_limit=0)`), running out of time ends the run; 0
-    keeps Ray's default, a 60 s wait retried forever.
-    """
-    name = WORKER_GROUP_START_TIMEOUT_ENV
-    if not timeout_s:
-        yield
-        return
-    before = os.environ.get(name)
-    os.environ[name] = str(timeout_s)
+def controller_settings(cfg: JobConfig) -> Iterator[None]:
+    """`controller_env(cfg)` in the driver's environment for the fit inside, then as it
+    was. Ray Train reads these settings there when it starts the controller and hands
+    them on to it. With the controller allowed no retries
+    (`FailureConfig(controller_failure_limit=0)`), running out of start time ends the run."""
+    env = controller_env(cfg)
+    before = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

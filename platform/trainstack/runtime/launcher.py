@@ -44,9 +44,9 @@ from trainstack.runtime.capacity import (
     attempt_timeout_s,
     check_fits_this_machine,
     cluster_wait_note,
+    controller_settings,
     is_start_timeout,
     start_timeout_message,
-    worker_group_start_timeout,
 )
 from trainstack.runtime.cluster import connect, dashboard_line, on_this_node, ray_target, worker_env
 from trainstack.runtime.events import RunFollower, controller_watches, drain, last_line
@@ -228,7 +228,7 @@ def run_job(
 
     def fit() -> None:
         try:
-            with worker_group_start_timeout(attempt_timeout_s(cfg)):
+            with controller_settings(cfg):
                 outcome["result"] = trainer.fit()
         except Exception as err:  # surfaced on the driver's thread below
             outcome["error"] = err

@@ -64,6 +64,8 @@ def validate(cfg: JobConfig) -> None:
     max_failures = cfg.failure.max_failures
     require("failure.max_failures", max_failures >= -1, max_failures, ">= -1 (-1: unlimited)")
     cap("failure.max_failures", max_failures, MAX_RESTARTS, why=" (-1: unlimited)")
+    poll = cfg.failure.health_check_s
+    require("failure.health_check_s", 0.05 <= poll <= 60, poll, "0.05 to 60 (seconds)")
     check_choice("tracking.backend", cfg.tracking.backend, TRACKING_BACKENDS)
     validate_log(cfg)
     check_choice("log.progress", cfg.log.progress, PROGRESS_MODES)
