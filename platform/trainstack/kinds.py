@@ -67,6 +67,8 @@ class StrategyKind:
     cross its stages); or with every `balance` but `bias` (moved by the synchronous loop)."""
     expert_parallel: bool = False
     """Splits MoE layers' experts over `strategy.expert_parallel` ranks."""
+    lora: bool = False
+    """Trains low-rank adapters over frozen weights (`model.lora`)."""
 
     def engine_of(self, cfg: JobConfig) -> str:
         return cfg.strategy.engine if self.engine == "strategy.engine" else self.engine
@@ -90,6 +92,7 @@ KINDS: dict[str, StrategyKind] = {
             compresses=True,
             elastic=True,
             expert_parallel=True,
+            lora=True,
             plan_layout="trainstack.planner.layouts:ddp_layout",
             build="trainstack.strategies.ddp:DDPStrategy",
             model_checks=("trainstack.strategies.expert_parallel:check_expert_split",),
@@ -103,6 +106,7 @@ KINDS: dict[str, StrategyKind] = {
             ranks="shards",
             offload_param="stage 3",
             elastic=True,
+            lora=True,
             plan_layout="trainstack.planner.layouts:zero_layout",
             build="trainstack.strategies.zero:ZeROStrategy",
         ),
@@ -114,6 +118,7 @@ KINDS: dict[str, StrategyKind] = {
             shards_state=True,
             ranks="mesh",
             offload_param="yes",
+            lora=True,
             plan_layout="trainstack.planner.layouts:fsdp_layout",
             build="trainstack.strategies.fsdp:FSDPStrategy",
             model_checks=("trainstack.strategies.tensor_parallel:check_model_splits",),

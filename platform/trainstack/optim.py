@@ -22,7 +22,8 @@ def scaled_lr(cfg: OptimConfig, *, data_parallel_size: int) -> float:
 def build_optimizer(
     model: nn.Module, cfg: OptimConfig, *, lr: float, device: torch.device | None = None
 ) -> torch.optim.Optimizer:
-    """AdamW or SGD; weight decay applies to matrices only (not biases, norms). On a GPU
+    """AdamW or SGD over the parameters that train; weight decay applies to matrices only
+    (not biases, norms). On a GPU
     (`optim.fused`) one fused kernel updates every parameter; else torch's default.
     `device`: where the parameters will train, where they are not yet (on the meta
     device); else where they are."""
@@ -31,6 +32,9 @@ def build_optimizer(
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
+    # Without an empty group (LoRA's adapters are all matrices): DeepSpeed drops one,
+    # and a schedule built over the groups would then count one too many.
+    groups = [group for group in groups if group["params"]] or groups[:1]
     if device is not None:
         on_gpu = bool(params) and device.type == "cuda"
     else:

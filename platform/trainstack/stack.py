@@ -125,6 +125,13 @@ DEPENDENCIES: tuple[Dependency, ...] = (
         "gemma2 not claiming an sdpa that drops its soft-capping (5.21)",
     ),
     Dependency(
+        name="peft",
+        versions=">=0.21,<0.22",
+        needed_by="hf",
+        used_for="model.lora (LoRA adapters over frozen weights, exported as peft folders)",
+        floor="the floor lane trains, merges and exports adapters with 0.21.0",
+    ),
+    Dependency(
         name="liger-kernel",
         versions=">=0.8",
         needed_by="gpu",

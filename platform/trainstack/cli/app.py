@@ -44,12 +44,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="an option of the URI's pyarrow filesystem, as checkpoint.storage_options, e.g. "
         "endpoint_override=http://127.0.0.1:9000 (repeatable)",
     )
-    export.add_argument("--out", required=True, help="where to write the state dict (.pt)")
+    export.add_argument("--out", default=None, help="where to write the state dict (.pt)")
     export.add_argument(
         "--hf-dir",
         default=None,
         help="model.kind hf: where to write the save_pretrained directory (default: next "
-        "to --out, named <out>_hf)",
+        "to --out, named <out>_hf; a LoRA run's with --merge only)",
+    )
+    export.add_argument(
+        "--adapter-dir",
+        default=None,
+        help="model.lora: where to write the adapters as a peft adapter folder "
+        "(peft.PeftModel.from_pretrained(base_model, folder) loads it)",
+    )
+    export.add_argument(
+        "--merge",
+        action="store_true",
+        help="model.lora: --out and --hf-dir get the weights with the adapters folded in",
     )
     export.set_defaults(handler=export_command)
     prepare = commands.add_parser(

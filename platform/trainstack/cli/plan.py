@@ -122,7 +122,8 @@ def format_plan(plan: Plan, *, name: str) -> str:
     """The plan as an aligned table, the recommended row marked `*`, and why."""
     w, hw = plan.workload, plan.hardware
     lines = [
-        f"trainstack plan: {name}: {w.model}, {w.params:,} parameters, "
+        f"trainstack plan: {name}: {w.model}, {w.params:,} parameters"
+        f"{'' if w.trainable is None else f' ({w.trainable:,} of them train: LoRA)'}, "
         f"{w.global_batch} samples × {w.tokens_per_sample} tokens a step, "
         f"{ {4: 'fp32', 2: 'bf16', 8: 'fp64'}[w.element_bytes] }",
         f"on {hw.devices} device(s) × {format_bytes(hw.memory_bytes)}, "

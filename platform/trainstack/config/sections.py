@@ -36,6 +36,25 @@ class MoEConfig:
 
 
 @dataclass(kw_only=True)
+class LoRAConfig:
+    """Low-rank adapters (LoRA, by `peft`): the model's weights stay frozen and each
+    targeted linear layer `W` trains `W + (alpha / rank) · B·A` (A: rank × in, B: out ×
+    rank, B starting at zero, so training starts from the model's own outputs)."""
+
+    rank: int = 0
+    """The adapters' rank r (>= 1); 0, the default: no adapters, every weight trains."""
+    alpha: int = 16
+    """The scale's numerator: the adapters' output is multiplied by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input, in [0, 1)."""
+    target_modules: tuple[str, ...] = ()
+    """Names of the linear layers to adapt: a module matches when its name ends with one
+    of them (`q_proj` adapts every block's attention query). Empty: the attention's query
+    and value projections, as `peft` picks for a Hugging Face family, `q_proj` and
+    `v_proj` for trainstack's GPT; a custom model names its own."""
+
+
+@dataclass(kw_only=True)
 class ModelConfig:
     kind: str = "gpt"
     """`gpt` (decoder-only transformer), `mlp` (windowed next-token MLP), `custom` (your
@@ -73,6 +92,8 @@ class ModelConfig:
     micro-batch."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """GPT: mixture-of-experts blocks (`experts: 0`, the default: none)."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters in place of training every weight (`rank: 0`, the default: none)."""
 
 
 @dataclass(kw_only=True)

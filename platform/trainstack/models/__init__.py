@@ -46,11 +46,16 @@ def build_model(
     activations in the backward pass. `pretrained_on_meta` (for a strategy that reads
     `model.pretrained` rank by rank): the pretrained model's parameters stay on the
     meta device where its folder allows (`on_meta.has_meta_parameters` says), for the
-    strategy to fill.
+    strategy to fill. With `model.lora`, the adapters are added (seeded too) and every
+    other weight is frozen (models/lora.py).
     """
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed)
         model = _construct(cfg, vocab_size=vocab_size, on_meta=pretrained_on_meta)
+        if cfg.lora.rank:
+            from trainstack.models.lora import add_lora
+
+            add_lora(model, cfg)
     if cfg.activation_checkpointing:
         blocks = checkpoint_blocks(model, class_names=cfg.checkpoint_modules)
         if not blocks:

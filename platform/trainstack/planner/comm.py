@@ -55,25 +55,36 @@ def all_reduce(nbytes: int, n: int) -> int:
 
 
 def data_parallel_bytes(
-    layout: Layout, *, params: int, element_bytes: int, accumulation: int, expert_params: int = 0
+    layout: Layout,
+    *,
+    params: int,
+    element_bytes: int,
+    accumulation: int,
+    expert_params: int = 0,
+    trainable: int | None = None,
 ) -> int:
     """Bytes per step for the gradients and parameters of `layout` (module docstring);
-    tensor parallelism's activations are `tensor_parallel_bytes`."""
+    tensor parallelism's activations are `tensor_parallel_bytes`. `trainable`: the
+    parameters that train (LoRA's adapters; default all): only their gradients are
+    reduced, while sharded layouts still gather every parameter for compute."""
     psi, n, e = params, layout.devices, element_bytes
+    g = psi if trainable is None else trainable
     if layout.kind == "ddp":
         ep = layout.expert_parallel
-        dense = all_reduce(FP32_BYTES * (psi - expert_params), n)
+        dense = all_reduce(FP32_BYTES * (g - expert_params), n)
         return dense + all_reduce(FP32_BYTES * expert_params // ep, n // ep)
     if layout.kind == "zero":
-        passes = {1: 2, 2: accumulation + 1, 3: 3 * accumulation}[layout.stage]
-        return passes * ring_pass(e * psi, n)
+        if layout.stage == 3:  # two gathers of every parameter, one reduce-scatter of grads
+            return accumulation * (2 * ring_pass(e * psi, n) + ring_pass(e * g, n))
+        passes = {1: 2, 2: accumulation + 1}[layout.stage]
+        return passes * ring_pass(e * g, n)
     t = layout.tensor_parallel
     if layout.kind == "pipeline":
-        return all_reduce(FP32_BYTES * psi // (layout.stages * t), layout.data_parallel)
+        return all_reduce(FP32_BYTES * g // (layout.stages * t), layout.data_parallel)
     s, r = layout.shard, layout.replicate
     gathers = (2 if layout.reshard_after_forward else 1) * accumulation
-    fsdp = gathers * ring_pass(e * psi // t, s) + ring_pass(FP32_BYTES * psi // t, s)
-    hsdp = all_reduce(FP32_BYTES * psi // (t * s), r)
+    fsdp = gathers * ring_pass(e * psi // t, s) + ring_pass(FP32_BYTES * g // t, s)
+    hsdp = all_reduce(FP32_BYTES * g // (t * s), r)
     norm = sum(all_reduce(NORM_BYTES, d) for d in (s, t))
     return fsdp + hsdp + norm
 

@@ -21,7 +21,8 @@ DDP and FSDP keep fp32 weights under bf16 (autocast, FSDP's mixed-precision poli
 casts for compute). ZeRO's `offload_optimizer` moves the master copy and state to host
 memory, `offload_param` its parameters; FSDP's `offload_param` moves all three.
 A parameter-server worker holds weights and gradients (8Ψ), its shards the weights and
-optimizer state ((4 + o)Ψ over all shards).
+optimizer state ((4 + o)Ψ over all shards). With LoRA (`model.lora`) Ψ_t of the Ψ
+parameters train: the gradients, ZeRO's master copy and the optimizer state count Ψ_t.
 """
 
 from __future__ import annotations
@@ -55,18 +56,22 @@ def model_state_bytes(
     optimizer_bytes: int,
     weight_bytes: int = FP32_BYTES,
     expert_params: int = 0,
+    trainable: int | None = None,
 ) -> StateBytes:
     """Bytes of parameters, gradients and optimizer state one rank of `layout` holds
     (the table in the module docstring, whose 4 is `weight_bytes`: 8 when the torch
-    engines train in fp64; integer division)."""
+    engines train in fp64; integer division). `trainable`: the parameters that train
+    (LoRA's adapters; default all): gradients, ZeRO's master copy and the optimizer's
+    state are theirs alone, every parameter is held."""
     psi, n, e, o = params, layout.devices, element_bytes, optimizer_bytes
+    g = psi if trainable is None else trainable
     if layout.kind == "zero":
         weights = e * psi if layout.stage < 3 else e * psi // n
-        grads = e * psi if layout.stage == 1 else e * psi // n
-        state = (FP32_BYTES + o) * psi // n
+        grads = e * g if layout.stage == 1 else e * g // n
+        state = (FP32_BYTES + o) * g // n
         host = state * layout.offload_optimizer + weights * layout.offload_param
         return StateBytes(device=weights + grads + state - host, host=host)
-    whole = (2 * weight_bytes + o) * psi
+    whole = weight_bytes * psi + (weight_bytes + o) * g
     if layout.kind == "fsdp":
         split = whole // (layout.shard * layout.tensor_parallel)
         host = split if layout.offload_param else 0
@@ -75,7 +80,8 @@ def model_state_bytes(
         split = layout.stages * layout.tensor_parallel * layout.shard
         return StateBytes(device=whole // split, host=0)
     held = psi - expert_params + expert_params // layout.expert_parallel  # ddp × ep
-    return StateBytes(device=(2 * weight_bytes + o) * held, host=0)
+    trained = g - expert_params + expert_params // layout.expert_parallel
+    return StateBytes(device=weight_bytes * held + (weight_bytes + o) * trained, host=0)
 
 
 def parameter_server_bytes(*, params: int, optimizer_bytes: int) -> tuple[int, int]:

@@ -183,6 +183,7 @@ def estimate(
         optimizer_bytes=w.optimizer_bytes,
         weight_bytes=w.weight_bytes,
         expert_params=w.moe.expert_params if w.moe else 0,
+        trainable=w.trainable,
     )
     activations = _activations(
         w, layout, micro_batch=micro_batch, m=accumulation, recompute=recompute
@@ -193,6 +194,7 @@ def estimate(
         element_bytes=e,
         accumulation=accumulation,
         expert_params=w.moe.expert_params if w.moe else 0,
+        trainable=w.trainable,
     )
     if w.moe is not None and layout.expert_parallel > 1 and w.shape is not None:
         comm += expert_all_to_all_bytes(
@@ -324,9 +326,10 @@ def _host_bytes(w: Workload, layout: Layout, *, accumulation: int) -> int:
     up for every forward and backward); FSDP's fp32 shard up for every all-gather and
     its gradients down. The optimizer's time on the CPU is not modelled."""
     psi, n, e = w.params, layout.devices, w.element_bytes
+    trained = psi if w.trainable is None else w.trainable
     moved = 0
     if layout.kind == "zero" and layout.offload_optimizer:
-        moved += 2 * e * psi // n
+        moved += 2 * e * trained // n
     if layout.kind == "zero" and layout.offload_param:
         moved += 2 * accumulation * e * psi // n
     if layout.kind == "fsdp" and layout.offload_param:

@@ -68,7 +68,9 @@ class Workload:
     """One optimizer step of a job, in the numbers the cost model takes."""
 
     params: int
-    """Ψ: trainable parameters."""
+    """Ψ: the model's parameters."""
+    trainable: int | None = None
+    """Ψ_t: the parameters that train, where fewer than Ψ do (LoRA's adapters); None: all."""
     shape: TransformerShape | None
     """None for models without a known transformer shape: activations are not modelled."""
     global_batch: int
@@ -105,6 +107,7 @@ def workload_from_spec(cfg: JobConfig) -> Workload:
     """The spec's model, batch, precision and optimizer as a `Workload`."""
     m = cfg.model
     params = parameter_count(cfg)
+    trainable = trainable_parameter_count(cfg)
     shape = transformer_shape(cfg)
     element_bytes, optimizer, weight_bytes = state_element_bytes(cfg)
     name = f"model.kind={m.kind}"
@@ -112,6 +115,7 @@ def workload_from_spec(cfg: JobConfig) -> Workload:
         name += f" (layers {shape.layers}, hidden {shape.hidden}, heads {shape.heads})"
     return Workload(
         params=params,
+        trainable=trainable,
         shape=shape,
         global_batch=cfg.train.global_batch_size,
         tokens_per_sample=m.block_size if cfg.task.kind == "lm" else 1,
@@ -166,6 +170,26 @@ def parameter_count(cfg: JobConfig) -> int:
             f"raised {describe_exception(e)}"
         ) from None
     return num_params(model)
+
+
+def trainable_parameter_count(cfg: JobConfig) -> int | None:
+    """With `model.lora`, the adapters' parameters (the model built on the meta device
+    with them: no weight allocated or read); None, where every parameter trains."""
+    if not cfg.model.lora.rank:
+        return None
+    import torch
+
+    from trainstack.models import build_model
+    from trainstack.models.lora import trainable_parameters
+
+    with torch.device("meta"):
+        model = build_model(
+            cfg.model,
+            vocab_size=cfg.data.vocab_size,
+            seed=cfg.train.seed,
+            pretrained_on_meta=bool(cfg.model.pretrained),
+        )
+    return trainable_parameters(model)
 
 
 def expert_shape(cfg: JobConfig) -> ExpertShape | None:

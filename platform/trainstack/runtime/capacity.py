@@ -34,7 +34,7 @@ from trainstack.kinds import kind_of, model_kind_of
 from trainstack.machine import local_cpus, local_gpus, local_memory_bytes
 from trainstack.planner.choose import layout_of
 from trainstack.planner.memory import model_state_bytes, parameter_server_bytes
-from trainstack.planner.workload import expert_shape, state_element_bytes
+from trainstack.planner.workload import expert_shape, state_element_bytes, trainable_parameter_count
 from trainstack.planner.workload import parameter_count as planned_parameter_count
 from trainstack.units import format_bytes
 
@@ -65,11 +65,12 @@ def parameter_count(cfg: JobConfig) -> int | None:
         return None
 
 
-def model_state(cfg: JobConfig, params: int) -> ModelState:
-    """Per-worker bytes of `params` parameters under the job's layout and optimizer:
-    the planner's model (`planner/memory.py`, its table), the one `trainstack plan`,
-    `strategy.kind: auto` and this pre-flight check all use. A parameter-server worker
-    holds weights and gradients, and its shards the weights and optimizer state."""
+def model_state(cfg: JobConfig, params: int, *, trainable: int | None = None) -> ModelState:
+    """Per-worker bytes of `params` parameters, `trainable` of them trained (LoRA; None:
+    all), under the job's layout and optimizer: the planner's model
+    (`planner/memory.py`, its table), the one `trainstack plan`, `strategy.kind: auto`
+    and this pre-flight check all use. A parameter-server worker holds weights and
+    gradients, and its shards the weights and optimizer state."""
     element, optimizer, weight = state_element_bytes(cfg)
     layout = layout_of(cfg)
     if layout is None:  # the parameter server
@@ -84,6 +85,7 @@ def model_state(cfg: JobConfig, params: int) -> ModelState:
             optimizer_bytes=optimizer,
             weight_bytes=weight,
             expert_params=moe.expert_params if moe else 0,
+            trainable=trainable,
         )
         per_worker, on_device, elsewhere = state.total, state.device, 0
     optim = "AdamW" if cfg.optim.kind == "adamw" else "SGD momentum"
@@ -109,7 +111,7 @@ def check_fits_this_machine(cfg: JobConfig) -> None:
     params = parameter_count(cfg)
     if params is None:
         return
-    state = model_state(cfg, params)
+    state = model_state(cfg, params, trainable=trainable_parameter_count(cfg))
     if uses_gpus(cfg):
         if torch.cuda.is_available():
             device = torch.cuda.get_device_properties(0)

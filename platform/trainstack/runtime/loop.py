@@ -352,12 +352,13 @@ def train(
 def build_job_model(cfg: JobConfig, strategy: Strategy) -> nn.Module:
     """The job's model as `strategy` takes it: a `model.pretrained` that the strategy
     reads rank by rank (`LoadsPretrainedParts`) with its parameters on the meta device,
-    else whole."""
+    else whole. With `model.lora` every rank reads the whole folder before the strategy
+    shards the model: the adapters are added to the loaded model."""
     return build_model(
         cfg.model,
         vocab_size=cfg.data.vocab_size,
         seed=cfg.train.seed,
-        pretrained_on_meta=isinstance(strategy, LoadsPretrainedParts),
+        pretrained_on_meta=isinstance(strategy, LoadsPretrainedParts) and not cfg.model.lora.rank,
     )
 
 

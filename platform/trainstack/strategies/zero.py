@@ -294,7 +294,9 @@ class ZeROStrategy:
 
     def _full_fp32_weights(self) -> dict[str, torch.Tensor]:
         """The model's state dict (same keys as the bare model's) with every parameter
-        whole and in fp32, from the optimizer's fp32 partitions. A collective."""
+        whole and in fp32, from the optimizer's fp32 partitions (a frozen one from its
+        gathered partitions). A collective."""
+        import deepspeed
         from deepspeed.utils import safe_get_full_fp32_param
 
         module = self.unwrapped_model()
@@ -302,6 +304,12 @@ class ZeROStrategy:
         for p in self._params():  # each tensor once: tied weights share one
             shape = getattr(p, "ds_shape") if _is_zero3(p) else p.shape  # noqa: B009
             full[id(p)] = safe_get_full_fp32_param(p).detach().reshape(shape).cpu().clone()
+        # Frozen parameters (LoRA's base) have no fp32 master: stage 3 gathers them whole.
+        frozen = [p for p in module.parameters() if not p.requires_grad and _is_zero3(p)]
+        if frozen:
+            with deepspeed.zero.GatheredParameters(frozen):
+                for p in frozen:
+                    full[id(p)] = p.detach().float().cpu().clone()
         return {
             key: full[id(value)] if id(value) in full else value.detach().cpu().clone()
             for key, value in module.state_dict(keep_vars=True).items()

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from trainstack.config.checks.allowed import MAX_RESTARTS, PROGRESS_MODES, TRACKING_BACKENDS
 from trainstack.config.checks.common import cap, check_choice, require
+from trainstack.config.checks.lora import validate_lora
 from trainstack.config.checks.model_data import (
     validate_data,
     validate_fused_loss,
@@ -55,6 +56,7 @@ def validate(cfg: JobConfig) -> None:
     validate_pipeline(cfg)
     validate_parameter_server(cfg)
     validate_moe(cfg)
+    validate_lora(cfg)
     validate_fused_loss(cfg)
     validate_pack(cfg)
     validate_compression(cfg)

@@ -1,0 +1,41 @@
+"""Checks of `model.lora` (low-rank adapters over frozen weights)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from trainstack.config.checks.allowed import MAX_WIDTH
+from trainstack.config.checks.common import cap, require
+from trainstack.errors import ConfigError
+from trainstack.kinds import kind_of, kinds_that
+
+if TYPE_CHECKING:
+    from trainstack.config.sections import JobConfig
+
+
+def validate_lora(cfg: JobConfig) -> None:
+    lora, s = cfg.model.lora, cfg.strategy
+    require("model.lora.rank", lora.rank >= 0, lora.rank, ">= 0 (0: no adapters)")
+    cap("model.lora.rank", lora.rank, MAX_WIDTH)
+    if not lora.rank:
+        return
+    require("model.lora.alpha", lora.alpha > 0, lora.alpha, "> 0")
+    require("model.lora.dropout", 0 <= lora.dropout < 1, lora.dropout, "[0, 1)")
+    for i, name in enumerate(lora.target_modules):
+        require(f"model.lora.target_modules[{i}]", bool(name.strip()), name, "a module name")
+    if not kind_of(cfg).lora:
+        raise ConfigError(
+            f"model.lora with strategy.kind={s.kind}: adapters over frozen weights train "
+            f"under strategy.kind {kinds_that(lambda k: k.lora, last=' or ')}"
+        )
+    where = {
+        "strategy.tensor_parallel": s.tensor_parallel > 1,
+        "strategy.expert_parallel": s.expert_parallel > 1,
+        "compression.kind": cfg.compression.kind != "none",
+    }
+    for key, on in where.items():
+        if on:
+            raise ConfigError(
+                f"model.lora with {key} set: adapters do not combine with it yet; allowed: "
+                f"ddp, zero or fsdp without it, or model.lora.rank=0"
+            )

@@ -1,0 +1,228 @@
+"""LoRA (`model.lora`, by peft): adapters over frozen weights train under DDP, FSDP2 and
+ZeRO-2/3 what one process trains, for trainstack's GPT, a user's own module (its layers
+named) and a Hugging Face family started from a pretrained folder. DDP and FSDP in
+float64 (10 steps, DDP killed once and resumed); ZeRO in float32, against the one-process
+reference's own float32 sensitivity. Every frozen weight ends where it started, bit for
+bit; the adapters moved. The Hugging Face run's adapters, exported as a peft adapter
+folder, load with `peft.PeftModel.from_pretrained` over transformers' own model and give
+trainstack's logits; merged (`--merge --hf-dir`), the folder transformers loads gives them
+too. Gloo processes, no Ray."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from trainstack.cli.app import main
+from trainstack.config import config_from_dict
+from trainstack.models import build_model
+from trainstack.models.lora import is_adapter_key
+from trainstack.runtime.gloo_processes import run_processes
+
+from bounds import (
+    FP64_BOUND,
+    float32_sensitivity,
+    initial_weights,
+    max_difference,
+    one_process,
+    sensitivity_bound,
+)
+from user_model_specs import HF_WIDTHS, MODELS
+
+STEPS = 10
+VOCAB = 16
+
+
+def gpt_spec(storage: Path, *, precision: str = "fp64") -> dict[str, Any]:
+    return {
+        "name": "lora",
+        "model": {
+            "kind": "gpt",
+            "n_layer": 2,
+            "n_head": 2,
+            "n_embd": 32,
+            "block_size": 16,
+            "lora": {"rank": 4, "alpha": 8},
+        },
+        "data": {"vocab_size": VOCAB, "order": 1, "eval_samples": 16},
+        "train": {
+            "steps": STEPS,
+            "global_batch_size": 16,
+            "micro_batch_size": 4,
+            "precision": precision,
+        },
+        "optim": {"lr": 1e-2, "warmup_steps": 2},
+        "checkpoint": {"storage_path": str(storage), "every_steps": 5, "keep": 10},
+        "log": {"every_steps": 5},
+    }
+
+
+def on_two(raw: dict[str, Any], strategy: dict[str, Any], out: Path) -> dict[str, torch.Tensor]:
+    """`raw` under `strategy` on two gloo ranks; its final weights."""
+    spec = {**copy.deepcopy(raw), "strategy": strategy, "scaling": {"num_workers": 2}}
+    spec["checkpoint"]["storage_path"] = str(out / "runs")
+    run_processes(config_from_dict(spec), world_size=2, out_dir=out)
+    weights: dict[str, torch.Tensor] = torch.load(out / "model.pt", weights_only=True)
+    return weights
+
+
+def assert_only_adapters_moved(weights: dict[str, torch.Tensor], raw: dict[str, Any]) -> None:
+    """Every frozen weight is where it started, bit for bit; the adapters moved (an
+    untrained run's B is still zero)."""
+    start = initial_weights(raw)
+    adapters = [k for k in weights if is_adapter_key(k)]
+    assert adapters and len(adapters) < len(weights)
+    for key, value in weights.items():
+        if not is_adapter_key(key):
+            assert torch.equal(value.to(start[key].dtype), start[key]), key
+    moved = max((weights[k].double() - start[k].double()).abs().max().item() for k in adapters)
+    assert moved > 1e-2, f"the adapters moved by {moved:.3g} only"
+
+
+@pytest.fixture(scope="module")
+def gpt_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    out = tmp_path_factory.mktemp("lora-reference")
+    raw = gpt_spec(out)
+    weights = one_process(raw, out)
+    assert_only_adapters_moved(weights, raw)
+    return weights
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_gpt_adapters_under_ddp_and_fsdp_train_what_one_process_trains(
+    tmp_path: Path, gpt_reference: dict[str, torch.Tensor], kind: str
+) -> None:
+    """DDP is killed before step 7 and resumed from checkpoint 5 on the way."""
+    raw = gpt_spec(tmp_path)
+    if kind == "ddp":
+        raw["faults"] = {"kill_at_steps": [7], "rank": 1}
+        with pytest.raises(Exception, match="exit code 17"):
+            on_two(raw, {"kind": kind}, tmp_path / kind)
+    weights = on_two(raw, {"kind": kind}, tmp_path / kind)
+    diff = max_difference(weights, gpt_reference)
+    print(f"max |lora {kind} x 2 - one process| = {diff:.3g}")
+    assert diff < FP64_BOUND
+    assert_only_adapters_moved(weights, raw)
+
+
+@pytest.fixture(scope="module")
+def gpt_float32(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], float]:
+    out = tmp_path_factory.mktemp("lora-float32")
+    return float32_sensitivity(gpt_spec(out, precision="fp32"), out)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gpt_adapters_under_zero_train_what_one_process_trains(
+    tmp_path: Path, gpt_float32: tuple[dict[str, torch.Tensor], float], stage: int
+) -> None:
+    reference, sensitivity = gpt_float32
+    raw = gpt_spec(tmp_path, precision="fp32")
+    weights = on_two(raw, {"kind": "zero", "stage": stage}, tmp_path / f"zero{stage}")
+    diff = max_difference(weights, reference)
+    print(f"max |lora zero-{stage} x 2 - one process| = {diff:.3g} (sensitivity {sensitivity:.3g})")
+    assert diff < sensitivity_bound(sensitivity)
+    assert_only_adapters_moved(weights, raw)
+
+
+def test_a_users_module_trains_adapters_on_the_layers_it_names(tmp_path: Path) -> None:
+    raw = {
+        **copy.deepcopy(MODELS["transformer"]),
+        "name": "lora-custom",
+        "train": {
+            "steps": STEPS,
+            "global_batch_size": 16,
+            "micro_batch_size": 4,
+            "precision": "fp64",
+        },
+        "optim": {"lr": 1e-2, "warmup_steps": 2},
+        "checkpoint": {"storage_path": str(tmp_path)},
+        "log": {"every_steps": 5},
+    }
+    raw["model"]["lora"] = {"rank": 2, "target_modules": ["qkv", "down"]}
+    reference = one_process(raw, tmp_path / "reference")
+    weights = on_two(raw, {"kind": "ddp"}, tmp_path / "ddp")
+    assert max_difference(weights, reference) < FP64_BOUND
+    assert_only_adapters_moved(weights, raw)
+    adapted = {k.split(".lora_")[0] for k in weights if is_adapter_key(k)}
+    assert {name.rsplit(".", 1)[-1] for name in adapted} == {"qkv", "down"}
+
+
+@pytest.fixture(scope="module")
+def qwen2_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A save_pretrained qwen2 in float64: the base the adapters are trained over."""
+    import transformers
+
+    path = tmp_path_factory.mktemp("pretrained") / "qwen2"
+    config = transformers.Qwen2Config(vocab_size=VOCAB, **HF_WIDTHS)
+    torch.manual_seed(3)
+    transformers.AutoModelForCausalLM.from_config(config).double().save_pretrained(path)
+    return path
+
+
+def test_hf_adapters_from_a_pretrained_folder_train_and_load_in_peft(
+    tmp_path: Path, qwen2_folder: Path
+) -> None:
+    import peft
+    import transformers
+
+    raw = {
+        "name": "lora-qwen2",
+        "model": {
+            "kind": "hf",
+            "pretrained": str(qwen2_folder),
+            "block_size": 16,
+            "lora": {"rank": 4, "alpha": 16},  # peft's targets for qwen2: q_proj, v_proj
+        },
+        "data": {"vocab_size": VOCAB, "order": 1, "eval_samples": 16},
+        "train": {
+            "steps": STEPS,
+            "global_batch_size": 16,
+            "micro_batch_size": 4,
+            "precision": "fp64",
+        },
+        "optim": {"lr": 1e-2, "warmup_steps": 2},
+        "checkpoint": {"storage_path": str(tmp_path / "runs")},
+        "log": {"every_steps": 5},
+    }
+    reference = one_process(raw, tmp_path / "reference")
+    weights = on_two(raw, {"kind": "fsdp"}, tmp_path / "fsdp")
+    assert max_difference(weights, reference) < FP64_BOUND
+    assert_only_adapters_moved(weights, raw)
+
+    cfg = config_from_dict(raw)
+    trained = build_model(cfg.model, vocab_size=VOCAB, seed=0).double()
+    trained.load_state_dict(weights)
+    tokens = torch.randint(VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = trained.eval()(tokens)
+
+    run = tmp_path / "fsdp" / "runs" / "lora-qwen2"
+    adapter_dir, merged_dir = tmp_path / "adapter", tmp_path / "merged"
+    assert main(["export", str(run), "--adapter-dir", str(adapter_dir)]) == 0
+    assert main(["export", str(run), "--out", str(tmp_path / "x.pt"), "--hf-dir", "hf"]) == 2
+    out = tmp_path / "merged.pt"
+    assert (
+        main(["export", str(run), "--out", str(out), "--merge", "--hf-dir", str(merged_dir)]) == 0
+    )
+    base = transformers.AutoModelForCausalLM.from_pretrained(qwen2_folder, dtype=torch.float64)
+    with torch.no_grad():
+        untuned = base.eval()(tokens).logits
+        adapted = peft.PeftModel.from_pretrained(base, adapter_dir).eval()(tokens).logits
+    assert (adapted - untuned).abs().max() > 1e-3  # the adapters change the logits ...
+    assert torch.allclose(adapted, expected, rtol=0, atol=1e-10)  # ... to trainstack's
+    # The merged folder holds float32 weights (an export's dtype): the merged state dict,
+    # rounded to float32, in the model without adapters gives its logits exactly.
+    merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float64)
+    plain = config_from_dict({**raw, "model": {**raw["model"], "lora": {}}})
+    rounded = build_model(plain.model, vocab_size=VOCAB, seed=0).double()
+    folded = torch.load(out, weights_only=True)
+    assert not any(is_adapter_key(k) for k in folded)
+    rounded.load_state_dict({k: v.float().double() for k, v in folded.items()})
+    with torch.no_grad():
+        loaded = merged.eval()(tokens).logits
+        assert torch.allclose(loaded, rounded.eval()(tokens), rtol=0, atol=1e-10)
+        assert torch.allclose(loaded, expected, rtol=0, atol=1e-6)  # float32's rounding
