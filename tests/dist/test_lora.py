@@ -1,7 +1,8 @@
 """LoRA (`model.lora`, by peft): adapters over frozen weights train under DDP, FSDP2 and
 ZeRO-2/3 what one process trains, for trainstack's GPT, a user's own module (its layers
 named) and a Hugging Face family started from a pretrained folder. DDP and FSDP in
-float64 (10 steps, DDP killed once and resumed); ZeRO in float32, against the one-process
+float64 (10 steps, each killed once and resumed from a checkpoint that keeps the
+adapters alone); ZeRO in float32, against the one-process
 reference's own float32 sensitivity. Every frozen weight ends where it started, bit for
 bit; the adapters moved. The Hugging Face run's adapters, exported as a peft adapter
 folder, load with `peft.PeftModel.from_pretrained` over transformers' own model and give
@@ -11,12 +12,15 @@ too. Gloo processes, no Ray."""
 from __future__ import annotations
 
 import copy
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from trainstack import checkpoint as ckpt
+from trainstack.checkpoint.pretrained import folder_fingerprint
 from trainstack.cli.app import main
 from trainstack.config import config_from_dict
 from trainstack.models import build_model
@@ -96,13 +100,16 @@ def gpt_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.T
 def test_gpt_adapters_under_ddp_and_fsdp_train_what_one_process_trains(
     tmp_path: Path, gpt_reference: dict[str, torch.Tensor], kind: str
 ) -> None:
-    """DDP is killed before step 7 and resumed from checkpoint 5 on the way."""
+    """Each is killed before step 7 and resumed from checkpoint 5 (the adapters and
+    their optimizer state, over the base the seed rebuilds) on the way."""
     raw = gpt_spec(tmp_path)
-    if kind == "ddp":
-        raw["faults"] = {"kill_at_steps": [7], "rank": 1}
-        with pytest.raises(Exception, match="exit code 17"):
-            on_two(raw, {"kind": kind}, tmp_path / kind)
+    raw["faults"] = {"kill_at_steps": [7], "rank": 1}
+    with pytest.raises(Exception, match="exit code 17"):
+        on_two(raw, {"kind": kind}, tmp_path / kind)
     weights = on_two(raw, {"kind": kind}, tmp_path / kind)
+    saved = ckpt.resolve(tmp_path / kind / "runs" / "lora")
+    assert saved.manifest["lora"] == {"seed": 0}  # the base: the GPT built from the seed
+    assert sorted(saved.full_weights()) == sorted(k for k in weights if is_adapter_key(k))
     diff = max_difference(weights, gpt_reference)
     print(f"max |lora {kind} x 2 - one process| = {diff:.3g}")
     assert diff < FP64_BOUND
@@ -119,9 +126,14 @@ def gpt_float32(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, tor
 def test_gpt_adapters_under_zero_train_what_one_process_trains(
     tmp_path: Path, gpt_float32: tuple[dict[str, torch.Tensor], float], stage: int
 ) -> None:
+    """Killed before step 7 and resumed from checkpoint 5 too."""
     reference, sensitivity = gpt_float32
     raw = gpt_spec(tmp_path, precision="fp32")
-    weights = on_two(raw, {"kind": "zero", "stage": stage}, tmp_path / f"zero{stage}")
+    raw["faults"] = {"kill_at_steps": [7], "rank": 1}
+    strategy = {"kind": "zero", "stage": stage}
+    with pytest.raises(Exception, match="exit code 17"):
+        on_two(raw, strategy, tmp_path / f"zero{stage}")
+    weights = on_two(raw, strategy, tmp_path / f"zero{stage}")
     diff = max_difference(weights, reference)
     print(f"max |lora zero-{stage} x 2 - one process| = {diff:.3g} (sensitivity {sensitivity:.3g})")
     assert diff < sensitivity_bound(sensitivity)
@@ -149,6 +161,10 @@ def test_a_users_module_trains_adapters_on_the_layers_it_names(tmp_path: Path) -
     assert_only_adapters_moved(weights, raw)
     adapted = {k.split(".lora_")[0] for k in weights if is_adapter_key(k)}
     assert {name.rsplit(".", 1)[-1] for name in adapted} == {"qkv", "down"}
+
+
+def with_base(raw: dict[str, Any], folder: Path) -> dict[str, Any]:
+    return {**raw, "model": {**raw["model"], "pretrained": str(folder)}}
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +217,22 @@ def test_hf_adapters_from_a_pretrained_folder_train_and_load_in_peft(
         expected = trained.eval()(tokens)
 
     run = tmp_path / "fsdp" / "runs" / "lora-qwen2"
+    # The checkpoint keeps the adapters alone (DCP's shards of them) and names its base.
+    final = ckpt.resolve(run)
+    kept = final.full_weights()
+    assert kept and all(is_adapter_key(k) for k in kept)
+    assert final.manifest["lora"]["fingerprint"] == folder_fingerprint(qwen2_folder)
+    moved = Path(shutil.copytree(qwen2_folder, tmp_path / "moved"))  # the same base
+    ckpt.check_same_base(final, config_from_dict(with_base(raw, moved)))
+    other = tmp_path / "other"
+    torch.manual_seed(4)
+    transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(qwen2_folder)
+    ).double().save_pretrained(other)
+    with pytest.raises(ckpt.CheckpointError) as refused:
+        ckpt.check_same_base(final, config_from_dict(with_base(raw, other)))
+    assert "holds LoRA adapters trained over" in str(refused.value)
+    assert "\n" not in str(refused.value)
     adapter_dir, merged_dir = tmp_path / "adapter", tmp_path / "merged"
     assert main(["export", str(run), "--adapter-dir", str(adapter_dir)]) == 0
     assert main(["export", str(run), "--out", str(tmp_path / "x.pt"), "--hf-dir", "hf"]) == 2

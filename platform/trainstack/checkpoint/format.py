@@ -234,7 +234,10 @@ def build_manifest(
     metrics: dict[str, Any],
     model_shapes: dict[str, list[int]],
     data: dict[str, Any],
+    lora: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """The manifest's fields. `lora` (a run with `model.lora`): its model files hold the
+    adapters alone, and this names the base they load over (`lora_base`)."""
     return {
         "format": FORMAT_VERSION,
         "step": step,
@@ -255,6 +258,7 @@ def build_manifest(
         "metrics": metrics,
         "model_shapes": model_shapes,
         "data": data,
+        **({"lora": lora} if lora is not None else {}),
         "files": files,
     }
 

@@ -18,6 +18,7 @@ planning, the reads), and again only when the file changes.
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import json
 import math
@@ -30,6 +31,7 @@ from typing import Any, BinaryIO, TypeVar, cast
 import torch
 
 from trainstack.checkpoint.sharded import single_process_is_intended
+from trainstack.files import file_sha256
 
 SINGLE_FILE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -47,6 +49,25 @@ def saved_files(folder: Path) -> list[Path] | None:
     if present != names:
         return None
     return [folder / name for name in names]
+
+
+@functools.lru_cache(maxsize=8)
+def _fingerprint(folder: Path, listing: tuple[tuple[str, int, int], ...]) -> str:
+    digest = hashlib.sha256()
+    for name, size, _ in listing:
+        digest.update(json.dumps([name, size, file_sha256(folder / name)]).encode())
+    return digest.hexdigest()
+
+
+def folder_fingerprint(folder: str | Path) -> str:
+    """sha256 over a save_pretrained folder's config and weights: every `.json` and
+    `.safetensors` file's name, size and contents (moving the folder keeps it, another
+    base changes it). Hashed once while sizes and times hold: reading a large model's
+    weights takes seconds."""
+    path = Path(folder).expanduser().resolve()
+    files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".safetensors"))
+    listing = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    return _fingerprint(path, listing)
 
 
 def saved_shapes(folder: Path) -> dict[str, list[int]] | None:

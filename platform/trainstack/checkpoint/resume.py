@@ -192,6 +192,7 @@ def checked_start(
     if start is None:
         return None
     check_same_model(start, shapes)
+    check_same_base(start, cfg)
     check_same_data(start, data_fingerprint, allow=cfg.data.allow_changed)
     if start.path.parent == run_dir:  # not --resume-from: that starts another run on purpose
         check_same_run(start, cfg)
@@ -209,6 +210,41 @@ def resolve(path: Location, *, warn: Callable[[str], None] = warn) -> Checkpoint
     if chosen is None:
         raise CheckpointError(f"{path}: no valid checkpoint there")
     return chosen
+
+
+def lora_base(cfg: JobConfig) -> dict[str, Any]:
+    """What a LoRA run's adapters load over, for its manifests: the pretrained folder
+    and its fingerprint, else the seed the spec's model is built from."""
+    folder = cfg.model.pretrained
+    if folder:
+        from trainstack.checkpoint.pretrained import folder_fingerprint
+
+        return {"pretrained": folder, "fingerprint": folder_fingerprint(folder)}
+    return {"seed": cfg.train.seed}
+
+
+def check_same_base(start: Checkpoint, cfg: JobConfig) -> None:
+    """Raise CheckpointError when `start` holds adapters (`model.lora`) trained over
+    another base than `cfg`'s: another pretrained folder's contents, or another seed."""
+    saved: dict[str, Any] | None = start.manifest.get("lora")
+    if saved is None:
+        return
+    now = lora_base(cfg)
+    if "fingerprint" in saved and saved.get("fingerprint") == now.get("fingerprint"):
+        return  # the same weights, wherever the folder lies now
+    if saved == now:
+        return
+
+    def said(base: dict[str, Any]) -> str:
+        if "fingerprint" in base:
+            return f"{base['pretrained']} (fingerprint {base['fingerprint'][:12]})"
+        return f"the model built from train.seed={base['seed']}"
+
+    raise CheckpointError(
+        f"{start.path} holds LoRA adapters trained over {said(saved)}, not over "
+        f"{said(now)}; resume over the base they were trained on, or start a new run "
+        "(another name)"
+    )
 
 
 def check_same_model(start: Checkpoint, shapes: dict[str, list[int]]) -> None:

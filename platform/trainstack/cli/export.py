@@ -20,13 +20,14 @@ def export_command(args: argparse.Namespace) -> int:
     run's adapters to --adapter-dir, its weights with the adapters merged (--merge)."""
     from trainstack.checkpoint import CheckpointError, resolve, save_atomically
     from trainstack.config import config_from_dict
+    from trainstack.models.lora import whole_weights
 
     if not args.out and not args.adapter_dir:
         return error("export needs --out, --adapter-dir or both", code=2)
     try:
         options = dict(store_option(text) for text in args.storage_options)
         found = resolve(open_location(args.checkpoint, options))
-        state = found.full_weights()
+        state = whole_weights(found)
         cfg = config_from_dict(found.manifest["spec"])
     except (CheckpointError, ConfigError) as err:
         return error(str(err), code=2)

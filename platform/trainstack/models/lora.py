@@ -197,3 +197,48 @@ def write_adapter_folder(
         os.replace(tmp, directory)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def kept_weights(cfg: ModelConfig, weights: dict[str, Any]) -> dict[str, Any]:
+    """The weights a checkpoint keeps: with `model.lora` the adapters alone (the frozen
+    base is rebuilt from `model.pretrained` or the seed, and the manifest names it),
+    else all of them."""
+    if not cfg.lora.rank:
+        return weights
+    return {key: value for key, value in weights.items() if is_adapter_key(key)}
+
+
+def load_weights(model: nn.Module, weights: dict[str, Any], *, cfg: ModelConfig) -> None:
+    """A checkpoint's weights into `model`: every tensor, or with `model.lora` the
+    adapters over the base the model was built with (every adapter present, nothing
+    else missing but frozen weights)."""
+    if not cfg.lora.rank:
+        model.load_state_dict(weights)
+        return
+    loaded = model.load_state_dict(weights, strict=False)
+    missing = [key for key in loaded.missing_keys if is_adapter_key(key)]
+    if missing or loaded.unexpected_keys:
+        raise RuntimeError(
+            f"the checkpoint's adapters do not fit model.lora: missing {missing[:3]}, "
+            f"unexpected {loaded.unexpected_keys[:3]}"
+        )
+
+
+def whole_weights(checkpoint: Any) -> dict[str, Any]:
+    """The whole state dict of a checkpoint's model: its files' weights, or for a LoRA
+    run's (whose files hold the adapters) the base rebuilt as the run built it (from
+    `model.pretrained`, whose fingerprint must still be the manifest's, or the seed)
+    with the adapters loaded over it."""
+    from trainstack.checkpoint import check_same_base
+    from trainstack.config import config_from_dict
+    from trainstack.models import build_model
+
+    weights: dict[str, Any] = checkpoint.full_weights()
+    if "lora" not in checkpoint.manifest:
+        return weights
+    cfg = config_from_dict(checkpoint.manifest["spec"])
+    check_same_base(checkpoint, cfg)
+    model = build_model(cfg.model, vocab_size=cfg.data.vocab_size, seed=cfg.train.seed)
+    load_weights(model, weights, cfg=cfg.model)
+    dtype = next(iter(weights.values())).dtype if weights else None
+    return {k: v.to(dtype) if dtype is not None else v for k, v in model.state_dict().items()}

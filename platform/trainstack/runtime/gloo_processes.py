@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 
 from trainstack import checkpoint as ckpt
 from trainstack.config import ConfigError, JobConfig, config_from_dict, config_to_dict
+from trainstack.models.lora import whole_weights
 from trainstack.runtime.checkpointing import DirectoryCheckpointStore
 from trainstack.runtime.loop import train
 from trainstack.runtime.preflight import preflight
@@ -178,7 +179,7 @@ def _worker(
         )
         if rank == 0:
             final = ckpt.resolve(run_dir)  # the checkpoint the run ended with
-            torch.save(final.full_weights(), out / "model.pt")
+            torch.save(whole_weights(final), out / "model.pt")
             (out / "summary.json").write_text(json.dumps(outcome.summary))
     finally:
         if distributed:

@@ -205,6 +205,7 @@ def train(
                 world_size=ctx.world_size,
                 files=entries,
                 metrics=metrics,
+                lora=ckpt.lora_base(cfg) if cfg.model.lora.rank else None,
             )
 
         def files() -> dict[str, Any]:

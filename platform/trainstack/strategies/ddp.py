@@ -25,6 +25,7 @@ from trainstack.compression import CompressionState, register_compression
 from trainstack.compression.state import moments_on_ranks, optimizer_config
 from trainstack.config import JobConfig
 from trainstack.data.sharding import Batch
+from trainstack.models.lora import kept_weights, load_weights
 from trainstack.optim import build_optimizer, build_scheduler, scaled_lr
 from trainstack.strategies.base import (
     StepOutput,
@@ -285,7 +286,7 @@ class DDPStrategy:
         else:
             weights, optimizer = model.state_dict(), self.optimizer.state_dict()
         if self.ctx.rank == 0:
-            files["model.pt"] = weights
+            files["model.pt"] = kept_weights(self.cfg.model, weights)
             files["optimizer.pt"] = optimizer
             files["scheduler.pt"] = self.scheduler.state_dict()
         if self.cfg.compression.kind != "none":
@@ -298,7 +299,7 @@ class DDPStrategy:
         weights = checkpoint.full_weights()
         if self.experts is not None:
             weights = self.experts.local_state_dict(model, weights)
-        model.load_state_dict(weights)
+        load_weights(model, weights, cfg=self.cfg.model)
         notes = self._load_compression(checkpoint)
         if checkpoint.manifest.get("strategy") != self.name:  # another layout's, by name
             return notes + restore_optimizer_by_name(

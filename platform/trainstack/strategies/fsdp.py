@@ -46,6 +46,7 @@ from trainstack.config import JobConfig
 from trainstack.data.sharding import Batch
 from trainstack.kinds import model_kind_of
 from trainstack.models import repeated_blocks
+from trainstack.models.lora import kept_weights
 from trainstack.optim import build_optimizer, build_scheduler, scaled_lr
 from trainstack.strategies.base import (
     StepOutput,
@@ -262,7 +263,10 @@ class FSDPStrategy:
         """Model and optimizer as sharded DCP state (every rank its shards); rank 0 adds
         the LR schedule."""
         assert self.optimizer is not None and self.scheduler is not None, "setup() first"
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        model_state, optimizer_state = get_state_dict(
+            self.model, self.optimizer, options=self._state_options()
+        )
+        model_state = kept_weights(self.cfg.model, model_state)  # a tie's alias too
         state = sharded.ShardedState({"model": model_state, "optimizer": optimizer_state})
         files: dict[str, Any] = {SHARDED_FOLDER: state}
         if self.ctx.rank == 0:
@@ -273,7 +277,10 @@ class FSDPStrategy:
         assert self.optimizer is not None and self.scheduler is not None, "setup() first"
         if not sharded.has_sharded(checkpoint, SHARDED_FOLDER):
             return self._load_full_weights(checkpoint)
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        model_state, optimizer_state = get_state_dict(
+            self.model, self.optimizer, options=self._state_options()
+        )
+        model_state = kept_weights(self.cfg.model, model_state)
         sharded.load_sharded(
             checkpoint, SHARDED_FOLDER, {"model": model_state, "optimizer": optimizer_state}
         )  # in place
@@ -282,15 +289,23 @@ class FSDPStrategy:
             self.optimizer,
             model_state_dict=model_state,
             optim_state_dict=optimizer_state,
+            options=self._state_options(),
         )
         self.scheduler.load_state_dict(checkpoint.load("scheduler.pt"))
         return []
+
+    def _state_options(self) -> StateDictOptions:
+        """How DCP's state dicts take the model: with `model.lora`, the adapters alone
+        (the frozen base is rebuilt from its folder or seed; the manifest names it)."""
+        lora = bool(self.cfg.model.lora.rank)
+        return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
     def _load_full_weights(self, checkpoint: Checkpoint) -> list[str]:
         """Another strategy's portable weights, dealt to this layout's shards, and its
         optimizer state by parameter name where it has some to give."""
         assert self.optimizer is not None and self.scheduler is not None
-        options = StateDictOptions(full_state_dict=True)
+        lora = bool(self.cfg.model.lora.rank)
+        options = StateDictOptions(full_state_dict=True, strict=not lora)
         set_model_state_dict(self.model, checkpoint.full_weights(), options=options)
         return restore_optimizer_by_name(
             checkpoint,

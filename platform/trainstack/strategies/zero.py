@@ -29,6 +29,7 @@ from torch import nn
 from trainstack.checkpoint import Checkpoint, rank_file
 from trainstack.config import JobConfig
 from trainstack.data.sharding import Batch
+from trainstack.models.lora import kept_weights, load_weights
 from trainstack.models.on_meta import has_meta_parameters
 from trainstack.optim import build_optimizer, scaled_lr
 from trainstack.strategies.base import (
@@ -288,7 +289,7 @@ class ZeROStrategy:
             ]
         files: dict[str, Any] = {rank_file("optimizer", self.ctx.rank): shard}
         if self.ctx.rank == 0:
-            files["model.pt"] = weights
+            files["model.pt"] = kept_weights(self.cfg.model, weights)
             files["scheduler.pt"] = self.scheduler.state_dict()
         return files
 
@@ -304,8 +305,11 @@ class ZeROStrategy:
         for p in self._params():  # each tensor once: tied weights share one
             shape = getattr(p, "ds_shape") if _is_zero3(p) else p.shape  # noqa: B009
             full[id(p)] = safe_get_full_fp32_param(p).detach().reshape(shape).cpu().clone()
-        # Frozen parameters (LoRA's base) have no fp32 master: stage 3 gathers them whole.
+        # Frozen parameters (LoRA's base) have no fp32 master: stage 3 gathers them whole
+        # (a checkpoint keeps the adapters alone: `kept_weights`).
         frozen = [p for p in module.parameters() if not p.requires_grad and _is_zero3(p)]
+        if self.cfg.model.lora.rank:
+            frozen = []
         if frozen:
             with deepspeed.zero.GatheredParameters(frozen):
                 for p in frozen:
@@ -365,8 +369,8 @@ class ZeROStrategy:
             zero_optimizer.checkpoint_event_prologue()
             zero_optimizer.load_state_dict(shards, load_optimizer_states=True)
             zero_optimizer.checkpoint_event_epilogue()
-        else:
-            self.unwrapped_model().load_state_dict(weights)  # the working (bit16/fp32) copy
+        else:  # the working (bit16/fp32) copy
+            load_weights(self.unwrapped_model(), weights, cfg=self.cfg.model)
             zero_optimizer.load_state_dict(
                 shards, load_optimizer_states=True, load_from_fp32_weights=True
             )
@@ -380,10 +384,10 @@ class ZeROStrategy:
         if self.cfg.strategy.stage == 3:
             params = list(module.parameters())
             with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
-                if self.ctx.rank == 0:
-                    module.load_state_dict(weights)  # broadcast and re-partitioned on exit
+                if self.ctx.rank == 0:  # broadcast and re-partitioned on exit
+                    load_weights(module, weights, cfg=self.cfg.model)
         else:
-            module.load_state_dict(weights)
+            load_weights(module, weights, cfg=self.cfg.model)
         for name, p in module.named_parameters():
             if p.requires_grad:
                 safe_set_full_fp32_param(p, weights[name].to(self.ctx.device))
