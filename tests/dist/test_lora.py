@@ -12,6 +12,7 @@ too. Gloo processes, no Ray."""
 from __future__ import annotations
 
 import copy
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,9 @@ from trainstack.cli.app import main
 from trainstack.config import config_from_dict
 from trainstack.models import build_model
 from trainstack.models.lora import is_adapter_key
+from trainstack.planner.layouts import Layout
+from trainstack.planner.memory import model_state_bytes
+from trainstack.planner.workload import state_element_bytes, trainable_parameter_count
 from trainstack.runtime.gloo_processes import run_processes
 
 from bounds import (
@@ -66,12 +70,32 @@ def gpt_spec(storage: Path, *, precision: str = "fp64") -> dict[str, Any]:
 
 
 def on_two(raw: dict[str, Any], strategy: dict[str, Any], out: Path) -> dict[str, torch.Tensor]:
-    """`raw` under `strategy` on two gloo ranks; its final weights."""
+    """`raw` under `strategy` on two gloo ranks; its final weights (its summary beside
+    them, in `out`)."""
     spec = {**copy.deepcopy(raw), "strategy": strategy, "scaling": {"num_workers": 2}}
     spec["checkpoint"]["storage_path"] = str(out / "runs")
     run_processes(config_from_dict(spec), world_size=2, out_dir=out)
     weights: dict[str, torch.Tensor] = torch.load(out / "model.pt", weights_only=True)
     return weights
+
+
+def assert_planned_memory(raw: dict[str, Any], layout: Layout, out: Path) -> None:
+    """The model state rank 0 measured is what the planner counts with the adapters
+    alone trained (frozen weights held, no gradient or optimizer state for them); a
+    planner counting every parameter as trained would be off by several times."""
+    summary = json.loads((out / "summary.json").read_text())
+    measured = sum(summary["model_state_bytes"].values())
+    cfg = config_from_dict(raw)
+    element, optimizer, weight = state_element_bytes(cfg)
+    planned = model_state_bytes(
+        layout,
+        params=summary["params"],
+        element_bytes=element,
+        optimizer_bytes=optimizer,
+        weight_bytes=weight,
+        trainable=trainable_parameter_count(cfg),
+    ).total
+    assert abs(measured - planned) <= 0.02 * planned, (measured, planned)
 
 
 def assert_only_adapters_moved(weights: dict[str, torch.Tensor], raw: dict[str, Any]) -> None:
@@ -107,6 +131,7 @@ def test_gpt_adapters_under_ddp_and_fsdp_train_what_one_process_trains(
     with pytest.raises(Exception, match="exit code 17"):
         on_two(raw, {"kind": kind}, tmp_path / kind)
     weights = on_two(raw, {"kind": kind}, tmp_path / kind)
+    assert_planned_memory(raw, Layout(kind=kind, devices=2), tmp_path / kind)
     saved = ckpt.resolve(tmp_path / kind / "runs" / "lora")
     assert saved.manifest["lora"] == {"seed": 0}  # the base: the GPT built from the seed
     assert sorted(saved.full_weights()) == sorted(k for k in weights if is_adapter_key(k))
@@ -134,6 +159,9 @@ def test_gpt_adapters_under_zero_train_what_one_process_trains(
     with pytest.raises(Exception, match="exit code 17"):
         on_two(raw, strategy, tmp_path / f"zero{stage}")
     weights = on_two(raw, strategy, tmp_path / f"zero{stage}")
+    assert_planned_memory(
+        raw, Layout(kind="zero", devices=2, stage=stage), tmp_path / f"zero{stage}"
+    )
     diff = max_difference(weights, reference)
     print(f"max |lora zero-{stage} x 2 - one process| = {diff:.3g} (sensitivity {sensitivity:.3g})")
     assert diff < sensitivity_bound(sensitivity)

@@ -241,7 +241,7 @@ class ZeROStrategy:
         Storage shared between tensors is counted once.
         """
         zero_optimizer = self._engine().optimizer
-        params = self._params()
+        params = list(self.unwrapped_model().parameters())  # frozen ones (LoRA's base) too
         partitions = [getattr(p, "ds_tensor") for p in params if _is_zero3(p)]  # noqa: B009
         held_params = [p.data for p in params] + partitions
         optimizer_state = [
