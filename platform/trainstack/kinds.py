@@ -191,8 +191,8 @@ class ModelKind:
     """Has pipeline layers to cut into stages (`strategy.kind: pipeline`)."""
     own_keys: tuple[str, ...] = ()
     """`model.*` keys that only this kind takes (where the model comes from)."""
-    tasks: tuple[str, ...] = ("lm",)
-    """The `task.kind`s it trains for."""
+    tasks: tuple[str, ...] = ("lm", "dpo")
+    """The `task.kind`s it trains for (a language model: `lm` and `dpo`)."""
     spec_check: str = ""
     """`module:callable(model_section)` raising ConfigError for what this kind cannot take."""
     moe_in_spec: bool = False
@@ -218,13 +218,17 @@ MODEL_KINDS: dict[str, ModelKind] = {
             fused_loss=True,
         ),
         ModelKind(
-            name="mlp", build="trainstack.models.mlp:WindowMLP", builtin=True, pipeline_layers=False
+            name="mlp",
+            build="trainstack.models.mlp:WindowMLP",
+            builtin=True,
+            pipeline_layers=False,
+            tasks=("lm",),
         ),
         ModelKind(
             name="custom",
             build="trainstack.models.custom:build_custom_model",
             own_keys=("target", "args"),
-            tasks=("lm", "classify"),
+            tasks=("lm", "classify", "dpo"),
             spec_check="trainstack.config.checks.model_data:check_custom_model",
         ),
         ModelKind(
@@ -245,7 +249,7 @@ class DataKind:
     name: str
     build: str
     """`module:Class` whose `from_config(data_section)` builds the corpus."""
-    task: Literal["lm", "classify", ""]
+    task: Literal["lm", "classify", "dpo", ""]
     """The task its samples are for (empty: either, as the user's own dataset says)."""
     files: bool = False
     """Reads the user's files (`data.train` / `data.val`, resolved against the spec)."""
@@ -317,6 +321,13 @@ DATA_KINDS: dict[str, DataKind] = {
             task="lm",
             files=True,
             data_check="trainstack.data.checks:check_chat",
+        ),
+        DataKind(
+            name="preference",
+            build="trainstack.data.preference:PreferenceCorpus",
+            task="dpo",
+            files=True,
+            data_check="trainstack.data.checks:check_preference",
         ),
         DataKind(
             name="arrays",

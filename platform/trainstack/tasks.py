@@ -8,6 +8,14 @@ A batch is `(inputs, targets)`:
   `[B, 2, T]` (token ids, position ids), which the model (`HFCausalLM`) takes as they are.
 - `classify`: inputs `[B, ...]` and labels `[B]`; the model returns logits `[B, C]`;
   the loss is the mean cross-entropy; held-out metrics are the loss and accuracy.
+- `dpo`: preference pairs (`data.kind: preference`) as token ids `[2B, T]`, each pair's
+  chosen answer then its rejected one, targets -100 outside the answers. The model runs
+  twice: with its LoRA adapters off and no gradient (the reference), then as it is (the
+  policy). With h the chosen answer's log-ratio of policy to reference minus the
+  rejected one's, the loss is −log σ(β·h) (`dpo.loss: sigmoid`) or (h − 1/(2β))² (`ipo`,
+  from mean log-probabilities per token), averaged over the pairs; held-out metrics are
+  that loss, the share of pairs with h > 0 (`eval_accuracy`) and the mean rewards β ×
+  log-ratio of the chosen and rejected answers and their margin.
 
 `task.loss: "pkg.mod:fn"` replaces the cross-entropy by `fn(outputs, batch)` (a
 scalar; under a pipeline the last stage calls it with `batch = (None, targets)`).
@@ -22,8 +30,9 @@ adds the sums over its group, and `EvalSums.metrics` turns them into figures.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +50,26 @@ class TaskOutputError(RuntimeError):
 
 
 @dataclass(frozen=True, kw_only=True)
+class PreferenceOutputs:
+    """`dpo`: what the policy and the reference computed for a batch of pairs."""
+
+    logits: torch.Tensor
+    """The policy's logits [2B, T, V] (pairs interleaved: chosen, rejected)."""
+    reference: torch.Tensor
+    """The reference's logits [2B, T, V], without gradient."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Preferences:
+    """`dpo`: each pair's loss, h (chosen log-ratio minus rejected), and rewards."""
+
+    losses: torch.Tensor
+    margins: torch.Tensor
+    chosen_rewards: torch.Tensor
+    rejected_rewards: torch.Tensor
+
+
+@dataclass(frozen=True, kw_only=True)
 class Task:
     kind: str
     """`lm` or `classify`."""
@@ -54,11 +83,36 @@ class Task:
     fused_loss: bool = False
     """The model computes its own loss from the targets (`model.fused_loss`): training
     forwards pass them (`outputs`) and the loss is the outputs' `.loss`."""
+    dpo_beta: float = 0.1
+    """`dpo`: β (`dpo.beta`)."""
+    dpo_loss: str = "sigmoid"
+    """`dpo`: `sigmoid` or `ipo` (`dpo.loss`)."""
+
+    @property
+    def sums_size(self) -> int:
+        """Length of `batch_sums`: loss × count, count, correct (and, for `dpo`, the
+        chosen and rejected answers' reward sums)."""
+        return 5 if self.kind == "dpo" else 3
 
     def outputs(self, model: Any, inputs: torch.Tensor, targets: torch.Tensor) -> Any:
         """The model's outputs for a training micro-batch (given the targets too when it
-        computes its own loss)."""
+        computes its own loss; `dpo`: the reference's beside the policy's)."""
+        if self.kind == "dpo":
+            return self.eval_outputs(model, inputs)
         return model(inputs, targets=targets) if self.fused_loss else model(inputs)
+
+    def eval_outputs(self, model: Any, inputs: torch.Tensor) -> Any:
+        """The model's outputs for a held-out micro-batch (`dpo`: the reference's, with the
+        model's adapters off, beside the policy's)."""
+        if self.kind != "dpo":
+            return model(inputs)
+        with torch.no_grad(), adapters_off(model):
+            reference = model(inputs)
+        policy = model(inputs)
+        return PreferenceOutputs(
+            logits=getattr(policy, "logits", policy),
+            reference=getattr(reference, "logits", reference),
+        )
 
     def logits(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
         """The logits in `outputs`, checked against the task's shape."""
@@ -101,7 +155,9 @@ class Task:
     def task_loss(
         self, outputs: Any, targets: torch.Tensor, *, inputs: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The mean cross-entropy (or `task.loss`) of one micro-batch."""
+        """The mean cross-entropy (or `task.loss`, or `dpo`'s loss) of one micro-batch."""
+        if self.kind == "dpo":
+            return self.preferences(outputs, targets).losses.mean()
         own = getattr(outputs, "loss", None)
         if self.fused_loss and isinstance(own, torch.Tensor):  # computed by the model
             return own
@@ -119,6 +175,33 @@ class Task:
             logits = logits.float()
         return nn.functional.cross_entropy(logits, targets.flatten())
 
+    def preferences(self, outputs: Any, targets: torch.Tensor) -> Preferences:
+        """`dpo`: each pair's loss, margin h and rewards, from the answers' summed (`ipo`:
+        mean) log-probabilities under the policy and the reference."""
+        if not isinstance(outputs, PreferenceOutputs):
+            raise TaskOutputError(
+                f"task.kind=dpo needs the policy's and the reference's outputs; got "
+                f"{type(outputs).__name__}"
+            )
+        policy, count = _answer_logprobs(self.logits(outputs.logits, targets), targets)
+        reference, _ = _answer_logprobs(outputs.reference.detach(), targets)
+        if self.dpo_loss == "ipo":
+            policy, reference = policy / count, reference / count
+        ratio = policy - reference
+        margins = ratio[0::2] - ratio[1::2]
+        beta = self.dpo_beta
+        if self.dpo_loss == "ipo":
+            losses = (margins - 1 / (2 * beta)) ** 2
+        else:
+            losses = -nn.functional.logsigmoid(beta * margins)
+        rewards = beta * ratio.detach()
+        return Preferences(
+            losses=losses,
+            margins=margins.detach(),
+            chosen_rewards=rewards[0::2],
+            rejected_rewards=rewards[1::2],
+        )
+
     def pipeline_loss(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
         """`loss` as a pipeline schedule calls it on the last stage: (outputs, targets)."""
         return self.loss(outputs, targets)
@@ -127,7 +210,18 @@ class Task:
         self, outputs: Any, targets: torch.Tensor, *, inputs: torch.Tensor | None = None
     ) -> torch.Tensor:
         """float64 [loss × count, count, correct] of one held-out micro-batch; targets of
-        -100 (chat: tokens no assistant wrote, padding) are not counted."""
+        -100 (chat: tokens no assistant wrote, padding) are not counted. `dpo`: over
+        pairs, correct where h > 0, then the chosen and rejected rewards' sums."""
+        if self.kind == "dpo":
+            p = self.preferences(outputs, targets)
+            values = [
+                p.losses.sum(),
+                torch.tensor(len(p.losses)),
+                (p.margins > 0).sum(),
+                p.chosen_rewards.sum(),
+                p.rejected_rewards.sum(),
+            ]
+            return torch.stack([v.detach().double().cpu() for v in values])
         scored = targets != IGNORED_TARGET
         count = int(scored.sum())
         loss = self.task_loss(outputs, targets, inputs=inputs).detach().double()
@@ -147,10 +241,17 @@ class EvalSums:
     loss_sum: float
     count: int
     correct: int
+    extra: tuple[float, ...] = ()
+    """`dpo`: the chosen and rejected answers' reward sums."""
 
     @classmethod
     def of(cls, sums: torch.Tensor) -> EvalSums:
-        return cls(loss_sum=float(sums[0]), count=int(sums[1]), correct=int(sums[2]))
+        return cls(
+            loss_sum=float(sums[0]),
+            count=int(sums[1]),
+            correct=int(sums[2]),
+            extra=tuple(float(v) for v in sums[3:]),
+        )
 
     @property
     def loss(self) -> float:
@@ -162,6 +263,15 @@ class EvalSums:
         accuracy = self.correct / self.count if self.count else math.nan
         if task.kind == "classify":
             return {"eval_loss": loss, "eval_accuracy": accuracy}
+        if task.kind == "dpo":
+            chosen, rejected = (s / self.count if self.count else math.nan for s in self.extra)
+            return {
+                "eval_loss": loss,
+                "eval_accuracy": accuracy,
+                "eval_reward_chosen": chosen,
+                "eval_reward_rejected": rejected,
+                "eval_reward_margin": chosen - rejected,
+            }
         return {
             "eval_loss": loss,
             "eval_perplexity": math.exp(min(loss, 700.0)),
@@ -180,13 +290,15 @@ def build_task(cfg: JobConfig) -> Task:
             f"task.loss={cfg.task.loss!r} is a {type(user_loss).__name__}; "
             "allowed: a function fn(outputs, batch) -> scalar tensor"
         )
-    num_outputs = cfg.data.vocab_size if cfg.task.kind == "lm" else cfg.data.num_classes
+    num_outputs = cfg.data.vocab_size if cfg.task.kind in ("lm", "dpo") else cfg.data.num_classes
     return Task(
         kind=cfg.task.kind,
         num_outputs=num_outputs,
         user_loss=user_loss,
         input_dtype=torch.float64 if cfg.train.precision == "fp64" else None,
         fused_loss=cfg.model.fused_loss,
+        dpo_beta=cfg.dpo.beta,
+        dpo_loss=cfg.dpo.loss,
     )
 
 
@@ -204,7 +316,7 @@ def evaluate(
     them (a pipeline's earlier stages), which adds nothing. Sum the result over the
     group and read it with `EvalSums.of`.
     """
-    sums = torch.zeros(3, dtype=torch.float64)
+    sums = torch.zeros(task.sums_size, dtype=torch.float64)
     for x, y in batches:
         if task.input_dtype is not None and x.is_floating_point():
             x = x.to(task.input_dtype)
@@ -213,6 +325,36 @@ def evaluate(
         if outputs is not None:
             sums += task.batch_sums(outputs, y, inputs=x).cpu()
     return sums.to(device)
+
+
+def _answer_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's summed log-probability of its scored targets (not -100), and how many
+    there are."""
+    if logits.dtype not in (torch.float32, torch.float64):  # bf16 logits: fp32 sums
+        logits = logits.float()
+    scored = targets != IGNORED_TARGET
+    picked = torch.log_softmax(logits, dim=-1).gather(-1, targets.clamp(min=0).unsqueeze(-1))
+    return (picked.squeeze(-1) * scored).sum(-1), scored.sum(-1)
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """`model` (or a wrapper of it: DDP, FSDP, DeepSpeed's engine) computing without its
+    adapters inside: each LoRA layer's scale set to 0 (peft's `scale_layer`), so it adds
+    exactly nothing to its base layer's output, and restored to alpha / rank after. What
+    DPO's reference is, with no second copy of the model held."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    for layer in layers:
+        layer.scale_layer(0.0)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.unscale_layer()
 
 
 def eval_mode(modules: Iterable[nn.Module]) -> Callable[[], None]:

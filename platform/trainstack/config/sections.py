@@ -100,10 +100,25 @@ class ModelConfig:
 class TaskConfig:
     kind: str = "lm"
     """`lm`: token ids [B, T] -> logits [B, T, V], next-token cross-entropy; `classify`:
-    inputs -> logits [B, C], cross-entropy and accuracy."""
+    inputs -> logits [B, C], cross-entropy and accuracy; `dpo`: preference pairs
+    (`data.kind: preference`), direct preference optimisation against the model with its
+    LoRA adapters off (`dpo`)."""
     loss: str = ""
     """Optional `package.module:function` called as `fn(outputs, batch) -> scalar tensor`
     (batch = (inputs, targets)) instead of the task's cross-entropy."""
+
+
+@dataclass(kw_only=True)
+class DPOConfig:
+    """`task.kind: dpo`: how the policy's preference for the chosen answer over the
+    rejected one is trained, against the reference (the model with its adapters off)."""
+
+    beta: float = 0.1
+    """β: how far the policy may move from the reference (> 0); rewards are β × the
+    log-probability ratio of policy to reference."""
+    loss: str = "sigmoid"
+    """`sigmoid` (DPO: −log σ(β·h), h the chosen's log-ratio minus the rejected's) or `ipo`
+    ((h − 1/(2β))², h from the answers' mean log-probabilities per token)."""
 
 
 @dataclass(kw_only=True)
@@ -497,6 +512,7 @@ class JobConfig:
     """Run name: letters, digits, '-', '_' and '.'; names the run's storage directory."""
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -528,9 +544,10 @@ class JobConfig:
 
     @property
     def tokens_per_sample(self) -> int:
-        """Tokens one sample trains on: the sequence length for `lm`, 1 for `classify`
-        (throughput and MFU then count samples)."""
-        return self.model.block_size if self.task.kind == "lm" else 1
+        """Tokens one sample trains on: the sequence length for `lm`, twice it for `dpo`
+        (a pair), 1 for `classify` (throughput and MFU then count samples)."""
+        per_kind = {"lm": self.model.block_size, "dpo": 2 * self.model.block_size}
+        return per_kind.get(self.task.kind, 1)
 
     @property
     def grad_accum_steps(self) -> int:

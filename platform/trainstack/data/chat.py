@@ -118,8 +118,8 @@ class ChatTokenizer:
         folder = cfg.tokenizer
         if folder in ("", "bytes"):
             raise ConfigError(
-                "data.kind=chat needs data.tokenizer: a Hugging Face tokenizer folder (the "
-                "pretrained model's, usually)"
+                f"data.kind={cfg.kind} needs data.tokenizer: a Hugging Face tokenizer folder "
+                "(the pretrained model's, usually)"
             )
         try:
             tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
@@ -158,6 +158,22 @@ class ChatTokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self.tokenizer)
+
+    def encode_answer(
+        self, prompt: list[dict[str, str]], answer: str, *, where: str
+    ) -> Conversation:
+        """`prompt` and the assistant's `answer` to it: the ids, the answer's alone marked
+        (an assistant message inside the prompt is context, not trained on)."""
+        before = self.render(prompt, prompt=True)
+        ids = self.render([*prompt, {"role": "assistant", "content": answer}])
+        if ids[: len(before)] != before:
+            raise ConfigError(
+                f"{where}: the chat template does not render the prompt as a prefix of the "
+                "prompt and its answer; the answer's tokens cannot be told apart (use a "
+                "template whose turns only append)"
+            )
+        trained = [i >= len(before) for i in range(len(ids))]
+        return Conversation(ids=tuple(ids), trained=tuple(trained), where=where)
 
     def encode(self, messages: list[dict[str, str]], *, where: str) -> Conversation:
         """The conversation's ids and which of them are the assistant's."""
@@ -316,7 +332,7 @@ class ChatCorpus(ByLength):
         files = {"train": list(d.train), "val": list(d.val)}
         return files_fingerprint(
             files,
-            kind="chat",
+            kind=d.kind,
             val_fraction=d.val_fraction,
             truncate=d.truncate,
             **({"pack": True} if d.pack else {}),  # unpacked: the fingerprint as before
@@ -327,10 +343,8 @@ class ChatCorpus(ByLength):
     def at(self, seq_len: int) -> IndexedCorpus:
         """The training and held-out conversations as samples of seq_len (read once)."""
         if seq_len not in self._by_length:
-            d, tok = self.cfg, self.tokenizer
-            read = functools.partial(
-                read_conversations, tokenizer=tok, block_size=seq_len, truncate=d.truncate
-            )
+            d = self.cfg
+            read = functools.partial(self.read, seq_len=seq_len)
             train = read(d.train, key="data.train")
             if d.val:
                 held = read(d.val, key="data.val")
@@ -352,7 +366,13 @@ class ChatCorpus(ByLength):
             )
         return self._by_length[seq_len]
 
-    def samples(self, seq_len: int) -> Callable[[Sequence[Conversation]], SampleSet]:
+    def read(self, paths: Sequence[str], *, key: str, seq_len: int) -> list[Any]:
+        """The samples' sources in `paths` (conversations), each fitted to seq_len."""
+        return read_conversations(
+            paths, self.tokenizer, key=key, block_size=seq_len, truncate=self.cfg.truncate
+        )
+
+    def samples(self, seq_len: int) -> Callable[[Sequence[Any]], SampleSet]:
         """How conversations become samples: packed rows (`data.pack`) or one each."""
         pad_id = self.tokenizer.pad_id
         if self.cfg.pack:

@@ -14,6 +14,7 @@ files it wrote like any others here.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 import torch
@@ -87,11 +88,17 @@ def check_chat(cfg: JobConfig) -> None:
     vocabulary, enough held out."""
     from trainstack.data.chat import ChatCorpus
 
+    what = f"packed rows of {cfg.model.block_size} tokens" if cfg.data.pack else "conversations"
+    _check_chat_like(cfg, ChatCorpus.from_config(cfg.data), what=what)
+
+
+def _check_chat_like(cfg: JobConfig, corpus: Any, *, what: str) -> None:
+    """Files a chat template renders (`ChatCorpus` and its kin): readable, tokenized
+    within the vocabulary, enough held out."""
     d = cfg.data
     for key, paths in (("data.train", d.train), ("data.val", d.val)):
         for path in paths:
             check_readable(path, key=key)
-    corpus = ChatCorpus.from_config(d)
     vocab = corpus.tokenizer.vocab_size
     if vocab > d.vocab_size:
         raise ConfigError(
@@ -100,8 +107,16 @@ def check_chat(cfg: JobConfig) -> None:
         )
     samples = corpus.at(cfg.model.block_size)
     held = len(samples.held_out) if samples.held_out is not None else 0
-    what = f"packed rows of {cfg.model.block_size} tokens" if d.pack else "conversations"
     check_held_out(cfg, held=held, what=what)
+
+
+def check_preference(cfg: JobConfig) -> None:
+    """Preference files: every line a pair whose prompt and answers the template renders,
+    each row fitting model.block_size + 1 tokens (or cut, with data.truncate), token ids
+    below the vocabulary, enough held out."""
+    from trainstack.data.preference import PreferenceCorpus
+
+    _check_chat_like(cfg, PreferenceCorpus.from_config(cfg.data), what="preference pairs")
 
 
 def check_text(cfg: JobConfig) -> None:

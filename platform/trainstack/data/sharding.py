@@ -137,11 +137,15 @@ def eval_batches(
     Rank r takes the contiguous slice [r*count//N, (r+1)*count//N); the slices of all
     ranks cover the set exactly once. Shares differ by at most one sample, the last
     micro-batch may be short, and a rank with no share gets an empty list: weight
-    each batch's mean loss by its row count when averaging over ranks.
+    each batch's mean loss by its row count when averaging over ranks. A sample of
+    several rows (a preference pair's two) keeps them together.
     """
     lo, hi = rank * count // world_size, (rank + 1) * count // world_size
     if hi == lo:
         return []
     inputs, targets = corpus.held_out_batch(hi, seq_len=seq_len)
-    xs, ys = inputs[lo:].split(micro_batch_size), targets[lo:].split(micro_batch_size)
+    rows = len(inputs) // hi  # rows a sample takes: 2 for a preference pair, else 1
+    mine = slice(lo * rows, None)
+    xs = inputs[mine].split(micro_batch_size * rows)
+    ys = targets[mine].split(micro_batch_size * rows)
     return list(zip(xs, ys, strict=True))

@@ -118,7 +118,7 @@ def workload_from_spec(cfg: JobConfig) -> Workload:
         trainable=trainable,
         shape=shape,
         global_batch=cfg.train.global_batch_size,
-        tokens_per_sample=m.block_size if cfg.task.kind == "lm" else 1,
+        tokens_per_sample=cfg.tokens_per_sample,
         element_bytes=element_bytes,
         optimizer_bytes=optimizer,
         weight_bytes=weight_bytes,

@@ -203,7 +203,7 @@ class DDPStrategy:
 
         def forward(x: torch.Tensor) -> Any:
             with autocast(self.cfg, self.ctx.device):
-                outputs = model(x)
+                outputs = self.task.eval_outputs(model, x)
             return outputs if len(x) else None  # an empty lockstep batch adds nothing
 
         if self.experts is not None:  # as many forwards on every rank of an expert group

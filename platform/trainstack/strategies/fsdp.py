@@ -213,7 +213,7 @@ class FSDPStrategy:
 
         def forward(x: torch.Tensor) -> Any:
             with self._compute_context():
-                outputs = self.model(x)
+                outputs = self.task.eval_outputs(self.model, x)
             # vocabulary-sharded logits (loss_parallel), alone or beside a balance loss
             # (which held-out scoring leaves out): gathered whole
             logits = getattr(outputs, "logits", outputs)

@@ -200,7 +200,9 @@ class ZeROStrategy:
     def evaluate(self, batches: list[Batch]) -> EvalSums:
         model = self.unwrapped_model()  # stage 3's hooks gather parameters as it runs
         restore = eval_mode([model])
-        sums = evaluate(self.task, model, batches, device=self.ctx.device)
+        sums = evaluate(
+            self.task, lambda x: self.task.eval_outputs(model, x), batches, device=self.ctx.device
+        )
         restore()
         if self.cfg.strategy.stage == 3:
             # A forward without backward leaves ZeRO-3's gathered parameters whole.

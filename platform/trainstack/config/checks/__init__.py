@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from trainstack.config.checks.allowed import MAX_RESTARTS, PROGRESS_MODES, TRACKING_BACKENDS
 from trainstack.config.checks.common import cap, check_choice, require
-from trainstack.config.checks.lora import validate_lora
+from trainstack.config.checks.lora import validate_dpo, validate_lora
 from trainstack.config.checks.model_data import (
     validate_data,
     validate_fused_loss,
@@ -57,6 +57,7 @@ def validate(cfg: JobConfig) -> None:
     validate_parameter_server(cfg)
     validate_moe(cfg)
     validate_lora(cfg)
+    validate_dpo(cfg)
     validate_fused_loss(cfg)
     validate_pack(cfg)
     validate_compression(cfg)

@@ -15,7 +15,8 @@ BUILTIN_MODEL_KINDS: tuple[str, ...] = tuple(k.name for k in MODEL_KIND_TABLE.va
 """Models whose structure the spec alone determines; the others are built to be known."""
 
 
-TASK_KINDS: tuple[str, ...] = ("lm", "classify")
+TASK_KINDS: tuple[str, ...] = ("lm", "classify", "dpo")
+DPO_LOSSES: tuple[str, ...] = ("sigmoid", "ipo")
 
 
 DATA_KINDS: tuple[str, ...] = tuple(DATA_KIND_TABLE)

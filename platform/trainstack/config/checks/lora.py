@@ -1,11 +1,12 @@
-"""Checks of `model.lora` (low-rank adapters over frozen weights)."""
+"""Checks of `model.lora` (low-rank adapters over frozen weights) and of `task.kind: dpo`,
+whose reference is the model with its adapters off."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainstack.config.checks.allowed import MAX_WIDTH
-from trainstack.config.checks.common import cap, require
+from trainstack.config.checks.allowed import DPO_LOSSES, MAX_WIDTH
+from trainstack.config.checks.common import cap, check_choice, require
 from trainstack.errors import ConfigError
 from trainstack.kinds import kind_of, kinds_that
 
@@ -39,3 +40,18 @@ def validate_lora(cfg: JobConfig) -> None:
                 f"model.lora with {key} set: adapters do not combine with it yet; allowed: "
                 f"ddp, zero or fsdp without it, or model.lora.rank=0"
             )
+
+
+def validate_dpo(cfg: JobConfig) -> None:
+    d = cfg.dpo
+    require("dpo.beta", d.beta > 0, d.beta, "> 0")
+    check_choice("dpo.loss", d.loss, DPO_LOSSES)
+    if cfg.task.kind != "dpo":
+        return
+    if not cfg.model.lora.rank:
+        raise ConfigError(
+            "task.kind=dpo needs model.lora (rank >= 1): its reference is the same model "
+            "with the adapters off; a frozen copy beside a fully trained model is not built"
+        )
+    if cfg.task.loss:
+        raise ConfigError(f"task.loss={cfg.task.loss} with task.kind=dpo: the loss is dpo.loss's")

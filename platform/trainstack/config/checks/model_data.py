@@ -124,7 +124,10 @@ def validate_fused_loss(cfg: JobConfig) -> None:
         allowed = kinds_that(lambda k: k.fused_loss, table=MODEL_KIND_TABLE)
         why = f"is for model.kind {allowed}; got {m.kind}"
     elif cfg.task.kind != "lm" or cfg.task.loss:
-        why = "computes the lm task's cross-entropy; it cannot take task.kind classify or task.loss"
+        why = (
+            "computes the lm task's cross-entropy; it cannot take task.kind classify or dpo, "
+            "or task.loss"
+        )
     elif kind_of(cfg).ranks == "pipeline":
         why = "needs the targets at the head, which a pipeline's last stage does not pass in"
     elif s.tensor_parallel > 1:
