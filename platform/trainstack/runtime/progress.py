@@ -78,6 +78,15 @@ class ProgressDisplay:
             self._bar_open = False
 
 
+def preferences_line(summary: dict[str, Any]) -> str:
+    """`dpo`: the held-out pairs whose chosen answer the policy prefers, and the rewards."""
+    return (
+        f"{summary['eval_accuracy']:.1%} of held-out pairs prefer the chosen answer (rewards: "
+        f"chosen {summary['eval_reward_chosen']:+.4f}, rejected "
+        f"{summary['eval_reward_rejected']:+.4f}, margin {summary['eval_reward_margin']:+.4f})"
+    )
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The run's closing summary as aligned `key: value` lines."""
     floor = summary.get("entropy_floor")
@@ -100,6 +109,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         )
     if summary.get("eval_accuracy") is not None and classify:
         rows.append(("accuracy", f"{summary['eval_accuracy']:.2%} (held-out)"))
+    if summary.get("eval_reward_margin") is not None:  # task.kind dpo
+        rows.append(("preferences", preferences_line(summary)))
     if summary.get("eval_bits_per_token") is not None:
         rows.append(("bits/token", f"{summary['eval_bits_per_token']:.4f} (held-out)"))
     if summary.get("eval_bits_per_byte") is not None:
