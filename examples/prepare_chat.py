@@ -10,8 +10,10 @@ two layers, width 64, randomly initialised with seed SEED (it stands for the che
 you would fine-tune; nothing is downloaded), and a word-level tokenizer with ChatML's
 turn markers and chat template. `train.jsonl` and `val.jsonl` hold arithmetic
 conversations, some as `{"messages": [...]}` with a system prompt, some as
-`{"prompt", "response"}`: "what is two plus three" answered "it equals five". Needs
-transformers (`pip install 'trainstack[hf]'`).
+`{"prompt", "response"}`: "what is two plus three" answered "it equals five".
+`pairs.jsonl` and `pairs_val.jsonl` hold preference pairs for `data.kind: preference`:
+the same questions, the right sum chosen and a sum one off rejected. Needs transformers
+(`pip install 'trainstack[hf]'`).
 """
 
 from __future__ import annotations
@@ -94,6 +96,17 @@ def conversation(rng: random.Random) -> dict[str, object]:
     }
 
 
+def preference(rng: random.Random) -> dict[str, str]:
+    """A sum whose chosen answer is right and whose rejected answer is one off."""
+    a, b = rng.randrange(5), rng.randrange(5)
+    wrong = a + b + rng.choice([-1, 1]) if a + b else 1
+    return {
+        "prompt": f"what is {NUMBERS[a]} plus {NUMBERS[b]}",
+        "chosen": f"it equals {NUMBERS[a + b]}",
+        "rejected": f"it equals {NUMBERS[wrong]}",
+    }
+
+
 def main(out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     write_model(out_dir / "model")
@@ -101,7 +114,11 @@ def main(out_dir: Path) -> None:
     for name, count in (("train.jsonl", 2000), ("val.jsonl", 200)):
         lines = [json.dumps(conversation(rng)) for _ in range(count)]
         (out_dir / name).write_text("\n".join(lines) + "\n")
-    print(f"wrote {out_dir}/model, {out_dir}/train.jsonl and {out_dir}/val.jsonl")
+    for name, count in (("pairs.jsonl", 1000), ("pairs_val.jsonl", 100)):
+        lines = [json.dumps(preference(rng)) for _ in range(count)]
+        (out_dir / name).write_text("\n".join(lines) + "\n")
+    print(f"wrote {out_dir}/model, its conversations (train.jsonl, val.jsonl) and preference ")
+    print("pairs (pairs.jsonl, pairs_val.jsonl)")
 
 
 if __name__ == "__main__":

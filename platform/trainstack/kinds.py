@@ -263,6 +263,9 @@ class DataKind:
     """Rows stream through Ray Data, split per worker group by Ray Train (the driver
     builds the datasets): not indexed, so no elastic resize and no rows shared by
     tensor-parallel ranks."""
+    chat_template: bool = False
+    """Renders its records with `data.tokenizer`'s chat template (a Hugging Face tokenizer
+    folder, or `data.chat_template`): the workers read those files too."""
     prepared: bool = False
     """Tokenized ahead of training into a cached directory (`trainstack prepare`, or
     pre-flight), from text whose bytes are known: the held-out loss is also given in bits
@@ -320,6 +323,7 @@ DATA_KINDS: dict[str, DataKind] = {
             build="trainstack.data.chat:ChatCorpus",
             task="lm",
             files=True,
+            chat_template=True,
             data_check="trainstack.data.checks:check_chat",
         ),
         DataKind(
@@ -327,6 +331,7 @@ DATA_KINDS: dict[str, DataKind] = {
             build="trainstack.data.preference:PreferenceCorpus",
             task="dpo",
             files=True,
+            chat_template=True,
             data_check="trainstack.data.checks:check_preference",
         ),
         DataKind(

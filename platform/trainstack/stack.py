@@ -245,10 +245,11 @@ DEPS_CHOICES = ("image", "pip", "uv")
 runtime environment installs them with pip or uv."""
 
 
-def extras_for(*, model_kind: str, data_kind: str) -> list[str]:
-    """trainstack's extras a job needs: `hf` for a Hugging Face model, and for the
-    tokenizers of text and chat data."""
-    return ["hf"] if model_kind == "hf" or data_kind in ("text", "chat") else []
+def extras_for(*, model_kind: str, data_kind: str, lora: bool = False) -> list[str]:
+    """trainstack's extras a job needs: `hf` for a Hugging Face model, for the
+    tokenizers of text, chat and preference data, and for LoRA's peft."""
+    needs_hf = model_kind == "hf" or data_kind in ("text", "chat", "preference") or lora
+    return ["hf"] if needs_hf else []
 
 
 def job_requirements(*, ray_version: str, extras: Iterable[str] = ()) -> list[str]:

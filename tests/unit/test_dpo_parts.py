@@ -220,3 +220,19 @@ def test_bad_dpo_specs_get_one_line(change: dict[str, Any], message: str) -> Non
         config_from_dict(raw)
     assert str(err.value).startswith(message), str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_a_preference_jobs_tokenizer_is_made_absolute_for_the_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trainstack.data.paths import resolve_data
+
+    make_tokenizer(tmp_path / "tok")
+    write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "hi", "chosen": "a", "rejected": "b"}])
+    monkeypatch.chdir(tmp_path)
+    raw = dpo_spec()
+    raw["data"] = {**raw["data"], "train": ["pairs.jsonl"], "tokenizer": "tok"}
+    data = resolve_data(config_from_dict(raw)).data
+    assert data.tokenizer == str(tmp_path / "tok") and data.train == (
+        str(tmp_path / "pairs.jsonl"),
+    )

@@ -10,7 +10,7 @@ from typing import Any
 
 from trainstack.cli.args import error, store_option
 from trainstack.config import ConfigError
-from trainstack.kinds import model_kind_of
+from trainstack.kinds import data_kind_of, model_kind_of
 from trainstack.storage import open_location
 
 
@@ -95,7 +95,7 @@ def copy_tokenizer(cfg: Any, hf_dir: Path) -> str:
     """Save the run's tokenizer (a chat job's `data.tokenizer`, else the pretrained
     folder's, when it has one) beside the exported model; the folder it came from, or
     "" when the run had none (or it is gone: the model is exported all the same)."""
-    folders = [cfg.data.tokenizer] if cfg.data.kind == "chat" else []
+    folders = [cfg.data.tokenizer] if data_kind_of(cfg).chat_template else []
     folders.append(cfg.model.pretrained)
     for folder in folders:
         if not folder or not Path(folder, "tokenizer_config.json").is_file():

@@ -92,7 +92,9 @@ def dependency_env(deps: str, *, ray_version: str, cfg: JobConfig) -> dict[str, 
             f"cluster from an image with Ray in that range (its Ray cannot be replaced by a "
             "job's runtime env)"
         )
-    extras = extras_for(model_kind=cfg.model.kind, data_kind=cfg.data.kind)
+    extras = extras_for(
+        model_kind=cfg.model.kind, data_kind=cfg.data.kind, lora=bool(cfg.model.lora.rank)
+    )
     return {deps: {"packages": job_requirements(ray_version=ray_version, extras=extras)}}
 
 

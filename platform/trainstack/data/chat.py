@@ -45,7 +45,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -56,6 +56,7 @@ from trainstack.data.sharding import IGNORED_TARGET, Batch
 from trainstack.data.tokens import files_fingerprint, held_out_size
 
 ROLES = ("system", "user", "assistant")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,12 +196,12 @@ class ChatTokenizer:
         return Conversation(ids=tuple(ids), trained=tuple(trained), where=where)
 
 
-def read_conversations(
-    paths: Sequence[str], tokenizer: ChatTokenizer, *, key: str, block_size: int, truncate: bool
-) -> list[Conversation]:
-    """Every conversation of the files, in order; the first problem as a ConfigError
-    naming file:line."""
-    out: list[Conversation] = []
+def read_jsonl(
+    paths: Sequence[str], *, key: str, parse: Callable[[object, str], T], what: str
+) -> list[T]:
+    """`parse(record, "file:line")` of every non-empty line of the files, in order; the
+    first problem as a ConfigError naming file:line (`what`: the records, for an empty set)."""
+    out: list[T] = []
     for path in paths:
         try:
             lines = Path(path).read_text(encoding="utf-8").splitlines()
@@ -214,11 +215,23 @@ def read_conversations(
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
-            chat = tokenizer.encode(messages_of(record, where=where), where=where)
-            out.append(fitted(chat, block_size=block_size, truncate=truncate))
+            out.append(parse(record, where))
     if not out:
-        raise ConfigError(f"{key}: no conversations in {', '.join(paths) or 'no files'}")
+        raise ConfigError(f"{key}: no {what} in {', '.join(paths) or 'no files'}")
     return out
+
+
+def read_conversations(
+    paths: Sequence[str], tokenizer: ChatTokenizer, *, key: str, block_size: int, truncate: bool
+) -> list[Conversation]:
+    """Every conversation of the files, in order; the first problem as a ConfigError
+    naming file:line."""
+
+    def parse(record: object, where: str) -> Conversation:
+        chat = tokenizer.encode(messages_of(record, where=where), where=where)
+        return fitted(chat, block_size=block_size, truncate=truncate)
+
+    return read_jsonl(paths, key=key, parse=parse, what="conversations")
 
 
 def fitted(chat: Conversation, *, block_size: int, truncate: bool) -> Conversation:

@@ -44,7 +44,7 @@ def resolve_data(cfg: JobConfig) -> JobConfig:
             .resolve()
         ),
     )
-    if d.kind == "chat":  # a worker's working directory may be another
+    if DATA_KINDS[d.kind].chat_template:  # a worker's working directory may be another
         data = dataclasses.replace(
             data,
             tokenizer=absolute(d.tokenizer),

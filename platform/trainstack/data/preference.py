@@ -20,17 +20,22 @@ any world size and a cursor resumes exactly.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from trainstack.config import ConfigError
-from trainstack.data.chat import ROLES, ChatCorpus, ChatTokenizer, Conversation, fitted
+from trainstack.data.chat import (
+    ROLES,
+    ChatCorpus,
+    ChatTokenizer,
+    Conversation,
+    fitted,
+    read_jsonl,
+)
 from trainstack.data.indexed import SampleSet
 from trainstack.data.sharding import IGNORED_TARGET, Batch
 
@@ -84,25 +89,11 @@ def read_pairs(
 ) -> list[Pair]:
     """Every pair of the files, in order; the first problem as a ConfigError naming
     file:line."""
-    out: list[Pair] = []
-    for path in paths:
-        try:
-            lines = Path(path).read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{key} file {path}: cannot be read ({e})") from None
-        for n, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
-            pair = pair_of(record, tokenizer, where=where, block_size=block_size, truncate=truncate)
-            out.append(pair)
-    if not out:
-        raise ConfigError(f"{key}: no preference pairs in {', '.join(paths) or 'no files'}")
-    return out
+
+    def parse(record: object, where: str) -> Pair:
+        return pair_of(record, tokenizer, where=where, block_size=block_size, truncate=truncate)
+
+    return read_jsonl(paths, key=key, parse=parse, what="preference pairs")
 
 
 class PreferenceSamples:

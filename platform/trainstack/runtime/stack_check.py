@@ -22,7 +22,11 @@ from trainstack.stack import (
 def needed_names(cfg: JobConfig) -> list[str]:
     """The libraries `cfg` needs: every core one, and its extras' (`hf` for a Hugging
     Face model or tokenized text)."""
-    extras = set(extras_for(model_kind=cfg.model.kind, data_kind=cfg.data.kind))
+    extras = set(
+        extras_for(
+            model_kind=cfg.model.kind, data_kind=cfg.data.kind, lora=bool(cfg.model.lora.rank)
+        )
+    )
     return [d.name for d in DEPENDENCIES if d.needed_by is None or d.needed_by in extras]
 
 
