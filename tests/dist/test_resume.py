@@ -230,6 +230,10 @@ def test_a_killed_rank_is_named_whichever_failure_the_harness_sees_first() -> No
     context = mp.start_processes(
         _killed_rank_and_its_peer, nprocs=2, start_method="forkserver", join=False
     )
-    time.sleep(2)  # both ended; torch's own join finds the peer's exception first here
+    deadline = time.monotonic() + 60  # both end (starting them imports torch: seconds)
+    while any(p.exitcode is None for p in context.processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [p.exitcode for p in context.processes] == [1, 17]
+    # both ended: torch's own join finds the peer's exception first here
     with pytest.raises(mp.ProcessExitedException, match="process 1 terminated with exit code 17"):
         join(context)

@@ -65,6 +65,8 @@ def plausible(section: str, key: str) -> st.SearchStrategy[Any]:
         return st.just(default) | st.just(repr(default)) | st.floats(0, 1)
     if isinstance(default, tuple):
         return st.just(list(default)) | st.lists(st.floats(0, 1), min_size=2, max_size=2)
+    if dataclasses.is_dataclass(default):  # a nested section (model.moe, model.lora)
+        return st.just(dataclasses.asdict(default)) | st.none() | WORDS
     return st.just(default) | WORDS
 
 

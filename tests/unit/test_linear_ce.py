@@ -68,7 +68,7 @@ def test_the_gpt_fused_loss_trains_on_what_its_logits_would(moe: dict[str, Any])
     ("changes", "words"),
     [
         ({"model": {"kind": "mlp"}}, "is for model.kind gpt; got mlp"),
-        ({"task": {"loss": "pkg.mod:fn"}}, "cannot take task.kind classify or task.loss"),
+        ({"task": {"loss": "pkg.mod:fn"}}, "cannot take task.kind classify or dpo, or task.loss"),
         ({"strategy": {"kind": "pipeline"}, "scaling": {"num_workers": 2}}, "last stage"),
         (
             {"strategy": {"kind": "fsdp", "tensor_parallel": 2}, "scaling": {"num_workers": 2}},
