@@ -75,14 +75,7 @@ def add_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:
             f"model.lora.target_modules={list(targets)} names {', '.join(not_linear)} "
             f"modules; allowed: linear layers ({_linear_names(model)})"
         )
-    config = LoraConfig(
-        r=cfg.lora.rank,
-        lora_alpha=cfg.lora.alpha,
-        lora_dropout=cfg.lora.dropout,
-        target_modules=list(targets),
-        bias="none",
-    )
-    inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    inject_adapter_in_model(_lora_config(LoraConfig, cfg, targets), model, adapter_name=ADAPTER)
     return model
 
 
@@ -91,15 +84,38 @@ def peft_config(cfg: ModelConfig, model: nn.Module, *, base: str = "") -> Any:
     `base`: the base model's folder)."""
     from peft import LoraConfig
 
-    return LoraConfig(
-        r=cfg.lora.rank,
-        lora_alpha=cfg.lora.alpha,
-        lora_dropout=cfg.lora.dropout,
-        target_modules=list(lora_targets(model, cfg)),
-        bias="none",
+    return _lora_config(
+        LoraConfig,
+        cfg,
+        lora_targets(model, cfg),
         task_type="CAUSAL_LM",
         base_model_name_or_path=base or None,
     )
+
+
+def _lora_config(
+    config_class: Any, cfg: ModelConfig, targets: tuple[str, ...], **extra: Any
+) -> Any:
+    """peft's `LoraConfig` of `cfg.lora` over `targets` (and `extra` keys)."""
+    return config_class(
+        r=cfg.lora.rank,
+        lora_alpha=cfg.lora.alpha,
+        lora_dropout=cfg.lora.dropout,
+        target_modules=list(targets),
+        bias="none",
+        **extra,
+    )
+
+
+def _structure(cfg: ModelConfig, *, vocab_size: int) -> nn.Module:
+    """`cfg`'s model, adapters included, on the meta device: its names and shapes, no
+    weight allocated or read."""
+    import torch
+
+    from trainstack.models import build_model
+
+    with torch.device("meta"):
+        return build_model(cfg, vocab_size=vocab_size, seed=0, pretrained_on_meta=True)
 
 
 def is_adapter_key(key: str) -> bool:
@@ -149,10 +165,7 @@ def merged_weights(cfg: ModelConfig, *, vocab_size: int, weights: dict[str, Any]
     import torch
     from peft.tuners.lora import LoraLayer
 
-    from trainstack.models import build_model
-
-    with torch.device("meta"):
-        model = build_model(cfg, vocab_size=vocab_size, seed=0, pretrained_on_meta=True)
+    model = _structure(cfg, vocab_size=vocab_size)
     model.load_state_dict(weights, strict=True, assign=True)
     with torch.no_grad():
         for module in model.modules():
@@ -173,14 +186,10 @@ def write_adapter_folder(
     import shutil
     from pathlib import Path
 
-    import torch
     from safetensors.torch import save_file
 
-    from trainstack.models import build_model
-
     directory = Path(directory)
-    with torch.device("meta"):
-        model = build_model(cfg, vocab_size=vocab_size, seed=0, pretrained_on_meta=True)
+    model = _structure(cfg, vocab_size=vocab_size)
     config = peft_config(cfg, model, base=cfg.pretrained)
     if getattr(model, "family", None) is None:
         config.task_type = None  # a module of the user's own: PeftModel's generic wrapper
