@@ -5,13 +5,17 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pyarrow.fs as pafs
 import pytest
+import ray.train
 
 from trainstack import checkpoint as ckpt
 from trainstack.cli import main as cli_main
 from trainstack.config import config_from_dict, config_to_dict
 from trainstack.observe.tracking import NullTracker
 from trainstack.runtime.events import RunFollower
+from trainstack.runtime.launcher import _failure_summary
+from trainstack.storage import StorePath
 
 
 def follow(*events: dict[str, Any]) -> list[dict[str, Any]]:
@@ -180,3 +184,22 @@ def test_goodput_splits_the_wall_time_into_steps_stalls_restarts_and_replayed_wo
     parts = ("startup_s", "steps_s", "checkpoint_s", "eval_s", "restarts_s", "replayed_s")
     assert split["other_s"] == 30.0 - sum(split[p] for p in parts)
     assert split["goodput"] == split["steps_s"] / 30.0
+
+
+def test_a_store_outage_the_controller_met_first_is_named_as_the_stores() -> None:
+    """Ray Train's controller writes its run state beside the checkpoints, so it can meet
+    an object store's outage before any rank does: the one line says the store did not
+    answer, as a rank's failed save does; other controller errors keep their own words."""
+    follower = RunFollower(display=None, tracker=NullTracker())
+    store = StorePath(pafs.LocalFileSystem(), "ckpt/runs/s3run", scheme="s3")
+    outage = ray.train.ControllerError(OSError("AWS Error NETWORK_CONNECTION: Could not connect"))
+    line = _failure_summary(follower, outage, store)
+    assert line.startswith("training failed after 0 worker failure(s)")
+    assert "s3://ckpt/runs/s3run: the checkpoint store did not answer (AWS Error" in line
+
+    on_disk = _failure_summary(follower, outage, Path("/runs/s3run"))
+    assert on_disk.endswith("last error: AWS Error NETWORK_CONNECTION: Could not connect")
+    missing = ray.train.ControllerError(FileNotFoundError("checkpoint_manager_snapshot.json"))
+    other = ray.train.ControllerError(RuntimeError("controller died"))
+    for error in (missing, other):
+        assert "did not answer" not in _failure_summary(follower, error, store)

@@ -318,12 +318,18 @@ def store_errors(where: Location) -> Iterator[None]:
     except OSError as err:
         if not isinstance(where, StorePath):
             raise
-        reason = first_line(err)
-        raise StorageUnreachableError(
-            f"{where}: the checkpoint store did not answer ({reason[:300]}); check that it is "
-            "up and reachable, checkpoint.storage_options and the credentials in the "
-            "environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)"
-        ) from None
+        raise unreachable_store(where, err) from None
+
+
+def unreachable_store(where: StorePath, err: BaseException) -> StorageUnreachableError:
+    """The one line for a store that did not answer `err`, whoever met it: a rank, or Ray
+    Train's controller writing its own run state beside the checkpoints."""
+    reason = first_line(err)
+    return StorageUnreachableError(
+        f"{where}: the checkpoint store did not answer ({reason[:300]}); check that it is "
+        "up and reachable, checkpoint.storage_options and the credentials in the "
+        "environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)"
+    )
 
 
 def list_checkpoints(run_dir: Location) -> list[Location]:

@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import ray
 import ray.train
@@ -251,7 +251,7 @@ def run_job(
         tracker.finish({"failures": len(follower.failures)}, failed=True)
         if is_start_timeout(error):
             raise RunFailedError(start_timeout_message(cfg))
-        raise RunFailedError(_failure_summary(follower, error))
+        raise RunFailedError(_failure_summary(follower, error, checkpoints))
     result = outcome["result"]
     startup = follower.startup(began=began, checked=checked, connected=connected)
     summary = dict(result.metrics or {})
@@ -362,14 +362,23 @@ def _run_parameter_server(
     return summary
 
 
-def _failure_summary(follower: RunFollower, error: BaseException) -> str:
+def _failure_summary(follower: RunFollower, error: BaseException, checkpoints: Location) -> str:
     failures = follower.failures
     steps = ", ".join(str(after_step) for _, after_step, _ in failures) or "?"
     last = failures[-1][2].error if failures else str(error).strip().splitlines()[-1]
     controller = getattr(error, "controller_failure", None)
     if controller is not None:  # the controller gave up (out of start attempts): say why
         last = last_line(controller)
+    if isinstance(checkpoints, StorePath) and _is_store_error(controller):
+        # Ray Train's controller writes its run state beside the checkpoints, so an
+        # object store's outage can end the run there before any rank's save meets it
+        last = str(ckpt.unreachable_store(checkpoints, controller))
     return (
         f"training failed after {len(failures)} worker failure(s) "
         f"(last steps known finished before each: {steps}); last error: {last}"
     )
+
+
+def _is_store_error(error: object) -> TypeGuard[OSError]:
+    """An I/O error that is not a missing file (which says the store answered)."""
+    return isinstance(error, OSError) and not isinstance(error, FileNotFoundError)
