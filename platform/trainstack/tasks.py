@@ -9,9 +9,10 @@ A batch is `(inputs, targets)`:
 - `classify`: inputs `[B, ...]` and labels `[B]`; the model returns logits `[B, C]`;
   the loss is the mean cross-entropy; held-out metrics are the loss and accuracy.
 - `dpo`: preference pairs (`data.kind: preference`) as token ids `[2B, T]`, each pair's
-  chosen answer then its rejected one, targets -100 outside the answers. The model runs
-  twice: with its LoRA adapters off and no gradient (the reference), then as it is (the
-  policy). With h the chosen answer's log-ratio of policy to reference minus the
+  chosen answer then its rejected one, targets -100 outside the answers. The reference
+  runs without gradient (the model with its LoRA adapters off, or without `model.lora`
+  a frozen copy of the model as it started, `attach_reference`), then the policy (the
+  model as it is). With h the chosen answer's log-ratio of policy to reference minus the
   rejected one's, the loss is −log σ(β·h) (`dpo.loss: sigmoid`) or (h − 1/(2β))² (`ipo`,
   from mean log-probabilities per token), averaged over the pairs; held-out metrics are
   that loss, the share of pairs with h > 0 (`eval_accuracy`) and the mean rewards β ×
@@ -106,8 +107,14 @@ class Task:
         model's adapters off, beside the policy's)."""
         if self.kind != "dpo":
             return model(inputs)
-        with torch.no_grad(), adapters_off(model):
-            reference = model(inputs)
+        with torch.no_grad():
+            frozen = attached_reference(model)
+            if frozen is not None:
+                frozen.train(model.training)  # dropout as the policy's
+                reference = frozen(inputs)
+            else:
+                with adapters_off(model):
+                    reference = model(inputs)
         policy = model(inputs)
         return PreferenceOutputs(
             logits=getattr(policy, "logits", policy),
@@ -355,6 +362,36 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
     finally:
         for layer in layers:
             layer.unscale_layer()
+
+
+REFERENCE_ATTRIBUTE = "trainstack_dpo_reference"
+
+
+def attach_reference(policy: nn.Module, reference: nn.Module) -> None:
+    """DPO without `model.lora`: `reference`, a frozen copy of `policy` as it started and
+    placed as the strategy places the policy, becomes the one `Task.outputs` runs. It is
+    held as a plain attribute, not a submodule, so it stays out of the policy's
+    parameters, state dict, gradients, optimizer and checkpoints (it is rebuilt from
+    the base at every start)."""
+    reference.requires_grad_(False)
+    object.__setattr__(policy, REFERENCE_ATTRIBUTE, reference)
+
+
+def attached_reference(model: nn.Module) -> nn.Module | None:
+    """The reference `attach_reference` gave `model` or the module a wrapper of it holds
+    (DDP's, DeepSpeed's engine), else None."""
+    for module in model.modules():
+        reference = module.__dict__.get(REFERENCE_ATTRIBUTE)
+        if reference is not None:
+            return reference
+    return None
+
+
+def held_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """`model`'s parameters and its attached reference's: what a rank holds, for memory
+    meters (the reference is no submodule, so `model.parameters()` misses it)."""
+    reference = attached_reference(model)
+    return [*model.parameters(), *(reference.parameters() if reference is not None else ())]
 
 
 def eval_mode(modules: Iterable[nn.Module]) -> Callable[[], None]:

@@ -1,7 +1,9 @@
 """DPO (`task.kind: dpo` on `data.kind: preference`, the reference the same model with
 its LoRA adapters off) trains under DDP and FSDP over two gloo ranks what one process
 trains, in float64, and under ZeRO-2 within the float32 reference's own sensitivity;
-the held-out pairs' accuracy, rewards and margin reach the summary."""
+the held-out pairs' accuracy, rewards and margin reach the summary. Without LoRA (every
+weight trains, the reference a frozen copy placed as the policy is) DDP and FSDP train
+what one process trains, and hold the memory the planner counts for the copy."""
 
 from __future__ import annotations
 
@@ -13,10 +15,12 @@ import pytest
 import torch
 
 from trainstack.config import config_from_dict
+from trainstack.runtime.capacity import model_state
 from trainstack.runtime.gloo_processes import run_processes
 
 from bounds import (
     FP64_BOUND,
+    assert_trained,
     float32_sensitivity,
     initial_weights,
     max_difference,
@@ -117,6 +121,32 @@ def test_dpo_under_ddp_and_fsdp_trains_what_one_process_trains(
         assert key in summary, key
     margin = summary["eval_reward_chosen"] - summary["eval_reward_rejected"]
     assert summary["eval_reward_margin"] == pytest.approx(margin)
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_dpo_without_lora_trains_every_weight_against_a_frozen_copy_as_one_process_does(
+    tmp_path: Path, kind: str
+) -> None:
+    raw = spec(tmp_path)
+    raw["model"].pop("lora")
+    raw["train"]["steps"] = 4
+    reference = one_process(raw, tmp_path / "one")
+    summary, weights = on_two(raw, {"kind": kind}, tmp_path / kind)
+    diff = max_difference(weights, reference)
+    print(f"max |dpo without lora, {kind} x 2 - one process| = {diff:.3g}")
+    assert diff < FP64_BOUND
+    assert_trained(weights, raw)
+
+    # Rank 0's model state (its part of the policy, its gradients and AdamW state, and its
+    # part of the frozen copy) is what pre-flight and the planner count; the copy is a
+    # quarter of it (float64: weights 8, gradients 8, AdamW 16 bytes a parameter), so a
+    # meter or a planner that missed it would be 25% off.
+    cfg = config_from_dict({**raw, "strategy": {"kind": kind}, "scaling": {"num_workers": 2}})
+    measured = sum(summary["model_state_bytes"].values())
+    planned = model_state(cfg, summary["params"]).per_worker
+    assert abs(measured - planned) <= 0.02 * planned, (measured, planned)
+    held = 2 if kind == "fsdp" else 1
+    assert planned == 40 * summary["params"] // held  # 32 for the policy, 8 for the copy
 
 
 def test_dpo_under_zero2_trains_what_one_process_trains(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ read into interleaved rows with only the answers scored; the spec's checks."""
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,14 @@ from trainstack.data.preference import PreferenceCorpus
 from trainstack.data.sharding import IGNORED_TARGET
 from trainstack.models import build_model
 from trainstack.models.lora import base_state, is_adapter_key
-from trainstack.tasks import EvalSums, build_task, evaluate
+from trainstack.tasks import (
+    EvalSums,
+    attach_reference,
+    attached_reference,
+    build_task,
+    evaluate,
+    held_parameters,
+)
 
 from chat_data import ids, make_tokenizer, write_jsonl
 
@@ -123,6 +131,41 @@ def test_the_dpo_loss_is_its_formula(variant: str) -> None:
     assert torch.equal(again.detach(), loss.detach())
 
 
+def test_without_lora_the_reference_is_a_frozen_copy_of_the_model_as_it_started() -> None:
+    """DPO without adapters: the copy `attach_reference` gives the policy is what the
+    reference log-probabilities come from, however far the policy has moved; at the start
+    the two are equal, so h = 0 and the sigmoid loss is ln 2 exactly; the copy is no
+    parameter or state-dict entry of the policy, and gets no gradient."""
+    raw = dpo_spec(beta=0.5)
+    raw["model"] = {**raw["model"], "lora": {}}
+    cfg = config_from_dict(raw)
+    assert cfg.frozen_reference
+    task = build_task(cfg)
+    policy = build_model(cfg.model, vocab_size=VOCAB, seed=0).double()
+    names = list(policy.state_dict())
+    attach_reference(policy, copy.deepcopy(policy))
+    assert list(policy.state_dict()) == names  # the copy is not saved with the policy
+    x, y = pairs_batch()
+    start = task.loss(task.outputs(policy, x, y), y, inputs=x)
+    assert start.item() == pytest.approx(math.log(2), abs=1e-15)
+
+    reference = attached_reference(policy)
+    assert reference is not None and reference is not policy
+    with torch.no_grad():
+        before = reference(x).clone()
+        for p in policy.parameters():  # the policy moves; its reference does not
+            p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    outputs = task.outputs(policy, x, y)
+    assert torch.equal(outputs.reference, before)
+    assert not torch.equal(outputs.logits.detach(), before)
+    loss = task.loss(outputs, y, inputs=x)
+    assert abs(loss.item() - math.log(2)) > 1e-3
+    loss.backward()
+    assert all(p.grad is None for p in reference.parameters())
+    assert all(p.grad is not None for p in policy.parameters() if p.requires_grad)
+    assert len(held_parameters(policy)) == 2 * len(list(policy.parameters()))
+
+
 def test_held_out_sums_give_the_accuracy_rewards_and_margin() -> None:
     raw = dpo_spec(beta=0.5)
     task = build_task(config_from_dict(raw))
@@ -205,7 +248,18 @@ def test_preference_files_become_interleaved_rows_scoring_the_answers(tmp_path: 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"model": {"lora": {}}}, "task.kind=dpo needs model.lora (rank >= 1)"),
+        (
+            {"model": {"lora": {}}, "strategy": {"kind": "zero", "stage": 3}},
+            "task.kind=dpo without model.lora under strategy.kind=zero: its frozen",
+        ),
+        (
+            {"model": {"lora": {}, "n_layer": 2}, "strategy": {"kind": "pipeline"}},
+            "task.kind=dpo without model.lora under strategy.kind=pipeline",
+        ),
+        (
+            {"model": {"lora": {}}, "strategy": {"kind": "fsdp", "tensor_parallel": 2}},
+            "task.kind=dpo with strategy.tensor_parallel set",
+        ),
         ({"dpo": {"beta": 0}}, "dpo.beta=0.0 is out of range; allowed: > 0"),
         ({"dpo": {"loss": "hinge"}}, "dpo.loss='hinge' is not one of sigmoid, ipo"),
         ({"task": {"kind": "lm"}}, "data.kind=preference gives samples for task.kind=dpo"),
@@ -215,7 +269,7 @@ def test_preference_files_become_interleaved_rows_scoring_the_answers(tmp_path: 
 def test_bad_dpo_specs_get_one_line(change: dict[str, Any], message: str) -> None:
     raw = dpo_spec()
     for section, values in change.items():
-        raw[section] = {**raw[section], **values}
+        raw[section] = {**raw.get(section, {}), **values}
     with pytest.raises(ConfigError) as err:
         config_from_dict(raw)
     assert str(err.value).startswith(message), str(err.value)

@@ -550,6 +550,12 @@ class JobConfig:
         return per_kind.get(self.task.kind, 1)
 
     @property
+    def frozen_reference(self) -> bool:
+        """DPO without `model.lora`: a frozen copy of the model as it starts is its
+        reference, held beside the policy (with LoRA: the model with its adapters off)."""
+        return self.task.kind == "dpo" and not self.model.lora.rank
+
+    @property
     def grad_accum_steps(self) -> int:
         """Micro-batches per optimizer step on each replica (pipeline: its micro-batches)."""
         per_step = self.train.micro_batch_size * self.data_parallel_size

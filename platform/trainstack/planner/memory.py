@@ -57,21 +57,24 @@ def model_state_bytes(
     weight_bytes: int = FP32_BYTES,
     expert_params: int = 0,
     trainable: int | None = None,
+    reference_copy: bool = False,
 ) -> StateBytes:
     """Bytes of parameters, gradients and optimizer state one rank of `layout` holds
     (the table in the module docstring, whose 4 is `weight_bytes`: 8 when the torch
     engines train in fp64; integer division). `trainable`: the parameters that train
     (LoRA's adapters; default all): gradients, ZeRO's master copy and the optimizer's
-    state are theirs alone, every parameter is held."""
+    state are theirs alone, every parameter is held. `reference_copy`: DPO's frozen
+    reference (without LoRA), a second copy of the weights held as the policy's are."""
     psi, n, e, o = params, layout.devices, element_bytes, optimizer_bytes
     g = psi if trainable is None else trainable
+    copies = 2 if reference_copy else 1
     if layout.kind == "zero":
-        weights = e * psi if layout.stage < 3 else e * psi // n
+        weights = copies * (e * psi if layout.stage < 3 else e * psi // n)
         grads = e * g if layout.stage == 1 else e * g // n
         state = (FP32_BYTES + o) * g // n
         host = state * layout.offload_optimizer + weights * layout.offload_param
         return StateBytes(device=weights + grads + state - host, host=host)
-    whole = weight_bytes * psi + (weight_bytes + o) * g
+    whole = copies * weight_bytes * psi + (weight_bytes + o) * g
     if layout.kind == "fsdp":
         split = whole // (layout.shard * layout.tensor_parallel)
         host = split if layout.offload_param else 0
@@ -81,7 +84,7 @@ def model_state_bytes(
         return StateBytes(device=whole // split, host=0)
     held = psi - expert_params + expert_params // layout.expert_parallel  # ddp × ep
     trained = g - expert_params + expert_params // layout.expert_parallel
-    return StateBytes(device=weight_bytes * held + (weight_bytes + o) * trained, host=0)
+    return StateBytes(device=copies * weight_bytes * held + (weight_bytes + o) * trained, host=0)
 
 
 def parameter_server_bytes(*, params: int, optimizer_bytes: int) -> tuple[int, int]:

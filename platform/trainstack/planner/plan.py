@@ -184,6 +184,7 @@ def estimate(
         weight_bytes=w.weight_bytes,
         expert_params=w.moe.expert_params if w.moe else 0,
         trainable=w.trainable,
+        reference_copy=w.reference_copy,
     )
     activations = _activations(
         w, layout, micro_batch=micro_batch, m=accumulation, recompute=recompute

@@ -71,6 +71,8 @@ class Workload:
     """Ψ: the model's parameters."""
     trainable: int | None = None
     """Ψ_t: the parameters that train, where fewer than Ψ do (LoRA's adapters); None: all."""
+    reference_copy: bool = False
+    """A frozen copy of the weights is held beside them (DPO's reference without LoRA)."""
     shape: TransformerShape | None
     """None for models without a known transformer shape: activations are not modelled."""
     global_batch: int
@@ -116,6 +118,7 @@ def workload_from_spec(cfg: JobConfig) -> Workload:
     return Workload(
         params=params,
         trainable=trainable,
+        reference_copy=cfg.frozen_reference,
         shape=shape,
         global_batch=cfg.train.global_batch_size,
         tokens_per_sample=cfg.tokens_per_sample,

@@ -86,6 +86,7 @@ def model_state(cfg: JobConfig, params: int, *, trainable: int | None = None) ->
             weight_bytes=weight,
             expert_params=moe.expert_params if moe else 0,
             trainable=trainable,
+            reference_copy=cfg.frozen_reference,
         )
         per_worker, on_device, elsewhere = state.total, state.device, 0
     optim = "AdamW" if cfg.optim.kind == "adamw" else "SGD momentum"

@@ -6,6 +6,7 @@ strategy, step, log on log steps, evaluate on held-out data, summarise.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import time
@@ -39,11 +40,12 @@ from trainstack.storage import Location
 from trainstack.strategies import Strategy, WorkerContext, build_strategy
 from trainstack.strategies.base import (
     LoadsPretrainedParts,
+    PlacesReference,
     ReportsLayout,
     StepOutput,
     weight_dtype,
 )
-from trainstack.tasks import build_task
+from trainstack.tasks import attach_reference, build_task
 
 LogFn = Callable[[dict[str, Any]], None]
 
@@ -354,23 +356,32 @@ def build_job_model(cfg: JobConfig, strategy: Strategy) -> nn.Module:
     """The job's model as `strategy` takes it: a `model.pretrained` that the strategy
     reads rank by rank (`LoadsPretrainedParts`) with its parameters on the meta device,
     else whole. With `model.lora` every rank reads the whole folder before the strategy
-    shards the model: the adapters are added to the loaded model."""
+    shards the model: the adapters are added to the loaded model; so does DPO's frozen
+    reference, a copy of the model as loaded."""
+    whole = cfg.model.lora.rank or cfg.frozen_reference
     return build_model(
         cfg.model,
         vocab_size=cfg.data.vocab_size,
         seed=cfg.train.seed,
-        pretrained_on_meta=isinstance(strategy, LoadsPretrainedParts) and not cfg.model.lora.rank,
+        pretrained_on_meta=isinstance(strategy, LoadsPretrainedParts) and not whole,
     )
 
 
 def set_up_strategy(cfg: JobConfig, strategy: Strategy, model: nn.Module) -> None:
     """Hand `model` (from `build_job_model`) to the strategy; one with meta parameters is
-    then filled from `model.pretrained`, each rank reading its own part."""
+    then filled from `model.pretrained`, each rank reading its own part. DPO without
+    `model.lora` keeps a frozen copy of the model as it starts, placed as the strategy
+    places the policy, for its reference (`attach_reference`)."""
     in_parts = has_meta_parameters(model)
-    strategy.setup(model.to(weight_dtype(cfg)))
+    model = model.to(weight_dtype(cfg))
+    reference = copy.deepcopy(model) if cfg.frozen_reference else None
+    strategy.setup(model)
     if in_parts:
         assert isinstance(strategy, LoadsPretrainedParts)
         strategy.load_pretrained(cfg.model.pretrained)
+    if reference is not None:
+        assert isinstance(strategy, PlacesReference), f"{strategy.name} holds no reference"
+        attach_reference(model, strategy.place_reference(reference))
 
 
 def data_epoch(corpus: Source, samples_seen: int, *, seq_len: int) -> int:

@@ -123,6 +123,16 @@ class LoadsPretrainedParts(Protocol):
         `folder` (a collective)."""
 
 
+@runtime_checkable
+class PlacesReference(Protocol):
+    """An optional ability: a strategy that can hold DPO's frozen reference model (a copy
+    of the policy as it started, `task.kind: dpo` without `model.lora`) placed as it
+    places the policy: on the same devices, in the same dtype, sharded the same way."""
+
+    def place_reference(self, reference: nn.Module) -> nn.Module:
+        """After `setup`: `reference` placed (no optimizer, no gradients)."""
+
+
 def ring_allreduce_bytes(numel: int, *, element_size: int, world_size: int) -> int:
     """Bytes one rank sends in a ring all-reduce of `numel` elements: 2(N-1)/N of the buffer."""
     if world_size == 1:

@@ -52,7 +52,7 @@ from trainstack.strategies.named_optimizer_state import (
     optimizer_order,
     restore_optimizer_by_name,
 )
-from trainstack.tasks import EvalSums, build_task, eval_mode, evaluate
+from trainstack.tasks import EvalSums, build_task, eval_mode, evaluate, held_parameters
 
 
 class DDPStrategy:
@@ -142,6 +142,11 @@ class DDPStrategy:
         experts = set(names)
         self._dense_params = [p for name, p in params.items() if name not in experts]
         return names
+
+    def place_reference(self, reference: nn.Module) -> nn.Module:
+        """DPO's frozen reference on this rank's device, whole, as the policy is
+        (`PlacesReference`); no gradients, so nothing for DDP to reduce."""
+        return reference.to(self.ctx.device)
 
     def unwrapped_model(self) -> nn.Module:
         if isinstance(self.model, DistributedDataParallel):
@@ -334,7 +339,7 @@ class DDPStrategy:
         """Replicated on every rank: parameters, gradients (the most held after any
         backward pass) and the optimizer's state (AdamW: exp_avg, exp_avg_sq, step)."""
         assert self.optimizer is not None, "setup() first"
-        params = [p.data for p in self.unwrapped_model().parameters()]
+        params = [p.data for p in held_parameters(self.unwrapped_model())]  # DPO's reference
         return {
             "params": storage_bytes(params),
             "grads": self._peak_grad_bytes,

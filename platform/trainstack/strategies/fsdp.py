@@ -68,7 +68,7 @@ from trainstack.strategies.named_optimizer_state import (
 )
 from trainstack.strategies.pretrained_parts import materialise, place, read_pretrained
 from trainstack.strategies.tensor_parallel import apply_tensor_parallel
-from trainstack.tasks import EvalSums, build_task, eval_mode, evaluate
+from trainstack.tasks import EvalSums, build_task, eval_mode, evaluate, held_parameters
 
 
 class FSDPStrategy:
@@ -141,6 +141,18 @@ class FSDPStrategy:
     def load_pretrained(self, folder: str) -> None:
         """Each rank reads its own shard of every saved tensor (`LoadsPretrainedParts`)."""
         read_pretrained([self.model], folder)
+
+    def place_reference(self, reference: nn.Module) -> nn.Module:
+        """DPO's frozen reference sharded over the same mesh as the policy, block by block
+        (`PlacesReference`): each rank holds 1/dp of it, gathered for its forward."""
+        place(reference, self.ctx.device)
+        sharded = self.ctx.is_distributed and self.layout.dp > 1
+        if sharded:
+            assert self.meshes is not None, "setup() first"
+            self._shard(reference, self.meshes)
+        offloaded = sharded and self.cfg.strategy.offload_param == "cpu"
+        materialise(reference, torch.device("cpu") if offloaded else self.ctx.device)
+        return reference
 
     def unwrapped_model(self) -> nn.Module:
         """The model itself: FSDP2 and tensor parallelism shard it in place (its parameters
@@ -320,7 +332,7 @@ class FSDPStrategy:
         optimizer state, measured from the local parts of the DTensors."""
         assert self.optimizer is not None, "setup() first"
         return {
-            "params": storage_bytes(local_part(p.data) for p in self.model.parameters()),
+            "params": storage_bytes(local_part(p.data) for p in held_parameters(self.model)),
             "grads": self._peak_grad_bytes,
             "optimizer": storage_bytes(local_part(t) for t in tensors_in(self.optimizer.state)),
         }

@@ -52,7 +52,7 @@ from trainstack.strategies.deepspeed_engine import (
 )
 from trainstack.strategies.pretrained_parts import materialise, place
 from trainstack.strategies.zero_pretrained import partition_on_meta, read_held
-from trainstack.tasks import EvalSums, build_task, eval_mode, evaluate
+from trainstack.tasks import EvalSums, build_task, eval_mode, evaluate, held_parameters
 
 
 def deepspeed_config(cfg: JobConfig) -> dict[str, Any]:
@@ -243,7 +243,7 @@ class ZeROStrategy:
         Storage shared between tensors is counted once.
         """
         zero_optimizer = self._engine().optimizer
-        params = list(self.unwrapped_model().parameters())  # frozen ones (LoRA's base) too
+        params = held_parameters(self.unwrapped_model())  # frozen ones and DPO's reference too
         partitions = [getattr(p, "ds_tensor") for p in params if _is_zero3(p)]  # noqa: B009
         held_params = [p.data for p in params] + partitions
         optimizer_state = [

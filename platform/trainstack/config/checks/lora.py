@@ -48,10 +48,29 @@ def validate_dpo(cfg: JobConfig) -> None:
     check_choice("dpo.loss", d.loss, DPO_LOSSES)
     if cfg.task.kind != "dpo":
         return
-    if not cfg.model.lora.rank:
-        raise ConfigError(
-            "task.kind=dpo needs model.lora (rank >= 1): its reference is the same model "
-            "with the adapters off; a frozen copy beside a fully trained model is not built"
-        )
+    if cfg.frozen_reference:
+        _check_frozen_reference(cfg)
     if cfg.task.loss:
         raise ConfigError(f"task.loss={cfg.task.loss} with task.kind=dpo: the loss is dpo.loss's")
+
+
+def _check_frozen_reference(cfg: JobConfig) -> None:
+    """DPO without `model.lora` holds a frozen copy of the model as its reference, placed
+    as ddp and fsdp place the policy (`PlacesReference`)."""
+    s = cfg.strategy
+    if s.kind not in ("ddp", "fsdp"):
+        raise ConfigError(
+            f"task.kind=dpo without model.lora under strategy.kind={s.kind}: its frozen "
+            "reference copy is placed under ddp or fsdp; or set model.lora (the reference "
+            "is then the model with its adapters off, under ddp, fsdp or zero)"
+        )
+    where = {
+        "strategy.tensor_parallel": s.tensor_parallel > 1,
+        "strategy.expert_parallel": s.expert_parallel > 1,
+    }
+    for key, on in where.items():
+        if on:
+            raise ConfigError(
+                f"task.kind=dpo with {key} set: DPO's reference does not combine with it yet; "
+                "allowed: ddp or fsdp without it"
+            )
