@@ -348,3 +348,31 @@ def test_an_moe_run_gets_a_plot_of_each_experts_share_and_the_balance(
 def test_a_dense_run_has_no_experts_plot(ddp_report: Path) -> None:
     assert not (ddp_report.parent / "experts.png").exists()
     assert "experts.png" not in ddp_report.read_text()
+
+
+def test_a_dpo_run_gets_a_plot_of_its_held_out_rewards_and_preference_accuracy(
+    store: str, runs: Path, tmp_path: Path
+) -> None:
+    tracker = tracked_run(store, runs / "report-dpo")
+    for step in range(10, 100, 10):  # the margin opens and the accuracy rises from a coin's
+        rewards = {"eval_reward_chosen": 0.01 * step / 10, "eval_reward_rejected": -0.02 * step}
+        rewards["eval_reward_margin"] = (
+            rewards["eval_reward_chosen"] - rewards["eval_reward_rejected"]
+        )
+        metrics = {**record(step, restarts=0), **rewards, "eval_accuracy": 0.5 + 0.4 * step / 100}
+        tracker.log_metrics(metrics, step=step)
+        time.sleep(0.002)
+    final = {"eval_accuracy": 0.9, "eval_reward_chosen": 0.1, "eval_reward_rejected": -2.0}
+    tracker.finish({**DDP_SUMMARY, **final, "eval_reward_margin": 2.1}, failed=False)
+    report = write_report(str(tracker.run_id), out_dir=tmp_path, tracking_uri=store)
+    assert png_size(tmp_path / "preferences.png") == (1200, 700)
+    assert (tmp_path / "preferences.png").stat().st_size > 20_000
+    text = report.read_text()
+    assert "](preferences.png)" in text
+    assert "At the end: 90.0% of pairs." in text
+    assert "| preferences | 90.0% of held-out pairs prefer the chosen answer (rewards: " in text
+
+
+def test_a_run_without_preferences_has_no_preferences_plot(ddp_report: Path) -> None:
+    assert not (ddp_report.parent / "preferences.png").exists()
+    assert "preferences" not in ddp_report.read_text()

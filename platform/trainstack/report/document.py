@@ -18,11 +18,12 @@ from trainstack.report.plots import (
     draw_goodput,
     draw_loss,
     draw_memory,
+    draw_preferences,
     draw_staleness,
     draw_throughput,
 )
 from trainstack.report.runs import MIB, TrackedRun, load_run, mfu_missing
-from trainstack.runtime.progress import bits_per_byte_line, goodput_line
+from trainstack.runtime.progress import bits_per_byte_line, goodput_line, preferences_line
 
 PLOT_FILES = (
     "goodput.png",
@@ -32,6 +33,7 @@ PLOT_FILES = (
     "comm.png",
     "staleness.png",
     "experts.png",
+    "preferences.png",
 )
 
 
@@ -63,6 +65,8 @@ def render_report(run: TrackedRun, *, out_dir: Path) -> Path:
         drawers.append(draw_staleness)
     if "moe_load_e0" in run.series:
         drawers.append(draw_experts)
+    if "eval_reward_margin" in run.series:
+        drawers.append(draw_preferences)
     if run.number("goodput") is not None:
         drawers.append(draw_goodput)
     with matplotlib.rc_context(STYLE):
@@ -133,6 +137,8 @@ def _final_figures(run: TrackedRun) -> list[tuple[str, str]]:
     ]
     if run.number("eval_bits_per_byte") is not None:
         rows.insert(2, ("bits per byte", _bits_per_byte(run)))
+    if run.number("eval_reward_margin") is not None:
+        rows.insert(2, ("preferences", preferences_line(run.summary)))
     if isinstance(run.summary.get("ps"), dict):
         rows += _ps_figures(run)
     return rows

@@ -251,6 +251,56 @@ def draw_experts(run: TrackedRun, out_dir: Path) -> Plot:
     return _save(fig, out_dir, "experts.png", title="Experts", note=note)
 
 
+PREFERENCE_SERIES = (
+    ("eval_reward_chosen", "tab:green", "chosen answer's reward"),
+    ("eval_reward_rejected", "tab:red", "rejected answer's reward"),
+    ("eval_reward_margin", "tab:blue", "margin (chosen − rejected)"),
+)
+
+
+def draw_preferences(run: TrackedRun, out_dir: Path) -> Plot:
+    """DPO: the held-out rewards (β × the policy's log-ratio to its reference) of the
+    chosen and rejected answers and their margin, and the share of held-out pairs whose
+    chosen answer the policy prefers, at each evaluation."""
+    fig, axes = _new_figure(2, 1, sharex=True)
+    top, bottom = axes[0][0], axes[1][0]
+    for name, color, label in PREFERENCE_SERIES:
+        if name in run.series:
+            _line(top, _with_final(run, name), x="step", color=color, label=label)
+    top.axhline(0, color="black", linewidth=1)
+    top.set(title=f"{run.name}: held-out preference pairs", ylabel="reward (β × log-ratio)")
+    top.legend(loc="upper left")
+    if "eval_accuracy" in run.series:
+        accuracy = _with_final(run, "eval_accuracy")
+        _line(bottom, accuracy, x="step", scale=100, color="tab:purple", label="prefer chosen")
+    bottom.axhline(50, label="a coin (50%)", **FLOOR_LINE)
+    bottom.set(xlabel="step", ylabel="% of pairs", ylim=(0, 105))
+    bottom.legend(loc="lower right")
+    _mark_restarts(top, run, x="step")
+    note = (
+        "At each held-out evaluation: the mean reward of the chosen and the rejected answers "
+        "(β × the policy's log-probability ratio to its reference) and their margin; below, "
+        "the pairs whose chosen answer gets the larger reward."
+    )
+    final = run.number("eval_accuracy")
+    if final is not None:
+        note += f" At the end: {final:.1%} of pairs."
+    return _save(fig, out_dir, "preferences.png", title="Preferences", note=note)
+
+
+def _with_final(run: TrackedRun, name: str) -> Series:
+    """`name`'s history with the run's final figure at its last step (the closing
+    evaluation is in the summary, not in the per-step history)."""
+    series, final, last = run.series[name], run.number(name), run.number("steps")
+    if final is None or last is None or series.steps[-1] >= last:
+        return series
+    return Series(
+        steps=[*series.steps, int(last)],
+        values=[*series.values, final],
+        times_s=[*series.times_s, series.times_s[-1]],
+    )
+
+
 def draw_staleness(run: TrackedRun, out_dir: Path) -> Plot:
     ps = run.summary["ps"]
     fig, axes = _new_figure(1, 3)
