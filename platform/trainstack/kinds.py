@@ -130,6 +130,7 @@ KINDS: dict[str, StrategyKind] = {
             float64=True,
             ranks="pipeline",
             moe="no",
+            lora=True,
             plan_layout="trainstack.planner.layouts:pipeline_layout",
             build="trainstack.strategies:build_pipeline",
             model_checks=("trainstack.strategies.pipeline_split:check_pipeline_model",),

@@ -79,7 +79,9 @@ def on_two(raw: dict[str, Any], strategy: dict[str, Any], out: Path) -> dict[str
     return weights
 
 
-def assert_planned_memory(raw: dict[str, Any], layout: Layout, out: Path) -> None:
+def assert_planned_memory(
+    raw: dict[str, Any], layout: Layout, out: Path, *, within: float = 0.02
+) -> None:
     """The model state rank 0 measured is what the planner counts with the adapters
     alone trained (frozen weights held, no gradient or optimizer state for them); a
     planner counting every parameter as trained would be off by several times."""
@@ -95,7 +97,7 @@ def assert_planned_memory(raw: dict[str, Any], layout: Layout, out: Path) -> Non
         weight_bytes=weight,
         trainable=trainable_parameter_count(cfg),
     ).total
-    assert abs(measured - planned) <= 0.02 * planned, (measured, planned)
+    assert abs(measured - planned) <= within * planned, (measured, planned)
 
 
 def assert_only_adapters_moved(weights: dict[str, torch.Tensor], raw: dict[str, Any]) -> None:
@@ -120,18 +122,27 @@ def gpt_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.T
     return weights
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
-def test_gpt_adapters_under_ddp_and_fsdp_train_what_one_process_trains(
+@pytest.mark.parametrize("kind", ["ddp", "fsdp", "pipeline"])
+def test_gpt_adapters_under_ddp_fsdp_and_a_pipeline_train_what_one_process_trains(
     tmp_path: Path, gpt_reference: dict[str, torch.Tensor], kind: str
 ) -> None:
     """Each is killed before step 7 and resumed from checkpoint 5 (the adapters and
-    their optimizer state, over the base the seed rebuilds) on the way."""
+    their optimizer state, over the base the seed rebuilds) on the way. The pipeline
+    cuts the GPT into 2 stages, the frozen tied embedding and head on both."""
     raw = gpt_spec(tmp_path)
     raw["faults"] = {"kill_at_steps": [7], "rank": 1}
+    strategy: dict[str, Any] = {"kind": kind}
+    layout, within = Layout(kind=kind, devices=2), 0.02
+    if kind == "pipeline":
+        # the planner splits the model evenly over the stages; each holds a copy of the
+        # tied embedding (3% of this model's state): the 10% the planner's pipeline
+        # tests allow
+        strategy.update(stages=2, microbatches=4)
+        layout, within = Layout(kind=kind, devices=2, stages=2), 0.10
     with pytest.raises(Exception, match="exit code 17"):
-        on_two(raw, {"kind": kind}, tmp_path / kind)
-    weights = on_two(raw, {"kind": kind}, tmp_path / kind)
-    assert_planned_memory(raw, Layout(kind=kind, devices=2), tmp_path / kind)
+        on_two(raw, strategy, tmp_path / kind)
+    weights = on_two(raw, strategy, tmp_path / kind)
+    assert_planned_memory(raw, layout, tmp_path / kind, within=within)
     saved = ckpt.resolve(tmp_path / kind / "runs" / "lora")
     assert saved.manifest["lora"] == {"seed": 0}  # the base: the GPT built from the seed
     assert sorted(saved.full_weights()) == sorted(k for k in weights if is_adapter_key(k))

@@ -38,9 +38,13 @@ def gpt(**lora: Any) -> dict[str, Any]:
         (gpt(rank=4, alpha=0), "model.lora.alpha=0 is out of range; allowed: > 0"),
         (gpt(rank=4, dropout=1.0), "model.lora.dropout=1.0 is out of range; allowed: [0, 1)"),
         (
-            {**gpt(rank=4), "strategy": {"kind": "pipeline", "stages": 2}},
-            "model.lora with strategy.kind=pipeline: adapters over frozen weights train under "
-            "strategy.kind ddp, zero or fsdp",
+            {**gpt(rank=4), "strategy": {"kind": "ps"}, "optim": {"grad_clip": 0}},
+            "model.lora with strategy.kind=ps: adapters over frozen weights train under "
+            "strategy.kind ddp, zero, fsdp or pipeline",
+        ),
+        (
+            {**gpt(rank=4), "strategy": {"kind": "pipeline", "stages": 2, "engine": "deepspeed"}},
+            "model.lora with strategy.engine=deepspeed set: adapters do not combine with it yet",
         ),
         (
             {**gpt(rank=4), "strategy": {"kind": "fsdp", "tensor_parallel": 2}},

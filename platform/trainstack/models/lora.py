@@ -224,7 +224,12 @@ def load_weights(model: nn.Module, weights: dict[str, Any], *, cfg: ModelConfig)
     if not cfg.lora.rank:
         model.load_state_dict(weights)
         return
-    loaded = model.load_state_dict(weights, strict=False)
+    check_adapters_loaded(model.load_state_dict(weights, strict=False))
+
+
+def check_adapters_loaded(loaded: Any) -> None:
+    """Raise unless a non-strict `load_state_dict` of a LoRA checkpoint (its result,
+    `loaded`) found every adapter and nothing unknown: only frozen weights may be missing."""
     missing = [key for key in loaded.missing_keys if is_adapter_key(key)]
     if missing or loaded.unexpected_keys:
         raise RuntimeError(

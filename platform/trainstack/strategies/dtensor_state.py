@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from trainstack.models.lora import check_adapters_loaded
+
 
 def place_like_parameters(params: list[nn.Parameter]) -> None:
     """Give each tensor-parallel gradient its parameter's placement (DTensor may leave an
@@ -33,11 +35,12 @@ def whole(state: dict[str, Any]) -> dict[str, Any]:
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
 
 
-def load_whole(module: nn.Module, state: dict[str, Any]) -> None:
+def load_whole(module: nn.Module, state: dict[str, Any], *, lora: bool = False) -> None:
     """Load whole tensors into `module`, whose tensor-parallel parameters keep this rank's
-    part of each (cut locally, without communication)."""
+    part of each (cut locally, without communication). `lora`: `state` holds the adapters
+    alone, over the frozen weights `module` was built with."""
     mine = module.state_dict()
-    module.load_state_dict(
+    loaded = module.load_state_dict(
         {
             name: distribute_tensor(
                 value, mine[name].device_mesh, mine[name].placements, src_data_rank=None
@@ -45,8 +48,11 @@ def load_whole(module: nn.Module, state: dict[str, Any]) -> None:
             if isinstance(mine.get(name), DTensor)
             else value
             for name, value in state.items()
-        }
+        },
+        strict=not lora,
     )
+    if lora:
+        check_adapters_loaded(loaded)
 
 
 def local_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:

@@ -71,6 +71,7 @@ from trainstack.compat import torch as torch_compat
 from trainstack.config import JobConfig, config_from_dict
 from trainstack.data.sharding import Batch
 from trainstack.models import block_classes
+from trainstack.models.lora import kept_weights
 from trainstack.optim import build_optimizer, build_scheduler, scaled_lr
 from trainstack.strategies.base import (
     StepOutput,
@@ -189,6 +190,8 @@ class PipelineStrategy:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.split_description = ""
+        self.lora = bool(cfg.model.lora.rank)
+        """Adapters over frozen weights: checkpoints hold the adapters alone."""
         self._peak_grad_bytes = 0
         self._steps_run = 0
         self._step_s = 0.0
@@ -297,7 +300,7 @@ class PipelineStrategy:
                 for s, (layer, name) in zip(tie.stages, tie.uses, strict=True)
                 if s in self.modules
             ]
-            if not copies:
+            if not copies or not copies[0].requires_grad:  # none here, or frozen (LoRA)
                 continue
             self.ties.append(LocalTie(tie=tie, copies=tuple(copies), ranks=self._tie_ranks(tie)))
             counted = tie.stages[0] in self.modules
@@ -378,6 +381,8 @@ class PipelineStrategy:
         if self.dp_size == 1 or self.sharded:  # FSDP reduce-scattered them already
             return
         grads = [local_part(p.grad) for p in self._params() if p.grad is not None]
+        if not grads:  # a stage of frozen weights alone (LoRA), on every replica alike
+            return
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.dp_group)
         flat /= self.dp_size
@@ -547,7 +552,10 @@ class PipelineStrategy:
         assert self.optimizer is not None and self.scheduler is not None, "setup() first"
         if self.dp_rank != 0 and not self.sharded:
             return {}
-        stages = {s: whole(self.modules[s].state_dict()) for s in self.stage_ids}
+        stages = {  # with model.lora the adapters alone (`kept_weights`)
+            s: kept_weights(self.cfg.model, whole(self.modules[s].state_dict()))
+            for s in self.stage_ids
+        }
         files: dict[str, Any] = {}
         if self.at.tp == 0 and self.dp_rank == 0:
             files = {stage_file(s): state for s, state in stages.items()}
@@ -567,14 +575,15 @@ class PipelineStrategy:
         reason = self._why_not_exact(checkpoint)
         if reason is None:
             for s in self.stage_ids:
-                load_whole(self.modules[s], checkpoint.load(stage_file(s)))
+                load_whole(self.modules[s], checkpoint.load(stage_file(s)), lora=self.lora)
             state = checkpoint.load(self._optimizer_file())
             self.optimizer.load_state_dict(optimizer_state_as_shards(state, self.optimizer))
             self.scheduler.load_state_dict(checkpoint.load("scheduler.pt"))
             return []
-        full = checkpoint.full_weights()
+        full = checkpoint.full_weights()  # with model.lora the adapters alone
         for module in self.modules.values():
-            load_whole(module, {name: full[name] for name in module.state_dict()})
+            mine = [name for name in module.state_dict() if name in full or not self.lora]
+            load_whole(module, {name: full[name] for name in mine}, lora=self.lora)
         if checkpoint.manifest.get("strategy") == self.name:  # its ranks' files do not fit
             fast_forward_schedule(self.scheduler, step=checkpoint.step)
             return [f"optimizer state re-initialised ({reason})"]
@@ -621,8 +630,9 @@ class PipelineStrategy:
 
     def model_state_bytes(self) -> dict[str, int]:
         assert self.optimizer is not None, "setup() first"
+        held = self.unwrapped_model().parameters()  # frozen ones (LoRA's base) too
         return {
-            "params": storage_bytes(local_part(p.data) for p in self._params()),
+            "params": storage_bytes(local_part(p.data) for p in held),
             "grads": self._peak_grad_bytes,
             "optimizer": storage_bytes(local_part(t) for t in tensors_in(self.optimizer.state)),
         }

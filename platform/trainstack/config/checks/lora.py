@@ -33,12 +33,13 @@ def validate_lora(cfg: JobConfig) -> None:
         "strategy.tensor_parallel": s.tensor_parallel > 1,
         "strategy.expert_parallel": s.expert_parallel > 1,
         "compression.kind": cfg.compression.kind != "none",
+        "strategy.engine=deepspeed": s.kind == "pipeline" and s.engine == "deepspeed",
     }
     for key, on in where.items():
         if on:
             raise ConfigError(
                 f"model.lora with {key} set: adapters do not combine with it yet; allowed: "
-                f"ddp, zero or fsdp without it, or model.lora.rank=0"
+                f"ddp, zero, fsdp or pipeline (engine torch) without it, or model.lora.rank=0"
             )
 
 
