@@ -250,11 +250,12 @@ def test_preference_files_become_interleaved_rows_scoring_the_answers(tmp_path: 
     [
         (
             {"model": {"lora": {}}, "strategy": {"kind": "zero", "stage": 3}},
-            "task.kind=dpo without model.lora under strategy.kind=zero: its frozen",
+            "task.kind=dpo without model.lora under strategy.kind=zero: allowed: strategy.kind "
+            "ddp or fsdp; or set model.lora (then zero too)",
         ),
         (
-            {"model": {"lora": {}, "n_layer": 2}, "strategy": {"kind": "pipeline"}},
-            "task.kind=dpo without model.lora under strategy.kind=pipeline",
+            {"model": {"n_layer": 2}, "strategy": {"kind": "pipeline"}},
+            "task.kind=dpo under strategy.kind=pipeline: allowed: strategy.kind ddp, fsdp or zero",
         ),
         (
             {"model": {"lora": {}}, "strategy": {"kind": "fsdp", "tensor_parallel": 2}},

@@ -47,8 +47,21 @@ def gpt(**lora: Any) -> dict[str, Any]:
             "model.lora with strategy.engine=deepspeed set: adapters do not combine with it yet",
         ),
         (
-            {**gpt(rank=4), "strategy": {"kind": "fsdp", "tensor_parallel": 2}},
-            "model.lora with strategy.tensor_parallel set: adapters do not combine with it yet",
+            {
+                **gpt(rank=4),
+                "strategy": {"kind": "pipeline", "stages": 2, "tensor_parallel": 2},
+                "scaling": {"num_workers": 4},
+            },
+            "model.lora with strategy.tensor_parallel (under a pipeline) set: adapters do not "
+            "combine with it yet",
+        ),
+        (
+            {
+                **gpt(rank=3),
+                "strategy": {"kind": "fsdp", "tensor_parallel": 2},
+                "scaling": {"num_workers": 4},
+            },
+            "model.lora.rank=3 with strategy.tensor_parallel=2: each rank holds a share",
         ),
         (
             {**gpt(rank=4), "compression": {"kind": "topk"}},
@@ -143,8 +156,9 @@ def test_plan_shows_the_adapters_saving(capsys: pytest.CaptureFixture[str]) -> N
     assert main(["plan", DEMO, "--devices", "4", "--set", "model.lora.rank=4"]) == 0
     header = capsys.readouterr().out.splitlines()[0]
     assert "105,856 parameters (2,048 of them train: LoRA)" in header
-    assert any(name.startswith(("pipeline", "tp")) for name, _, _ in full)
-    assert not any(name.startswith(("pipeline", "tp")) for name, _, _ in lora)  # refused
+    layouts = {name for name, _, _ in lora}
+    assert {"pp 2 × dp 2", "tp 2 × fsdp 2"} <= layouts
+    assert "pp 2 × tp 2" in {name for name, _, _ in full} and "pp 2 × tp 2" not in layouts
     assert lora and lora.keys() <= full.keys()
     for key, row in lora.items():
         assert row["comm_bytes_per_step"] < full[key]["comm_bytes_per_step"], key

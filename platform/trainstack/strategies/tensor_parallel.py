@@ -39,6 +39,7 @@ sizes on the built model (`check_tensor_parallel`).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
@@ -69,12 +70,28 @@ from trainstack.models.hf import HFCausalLM
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:
     """Shard `model`'s layers over `tp_mesh` in place (its parameters become DTensors)."""
-    if isinstance(model, HFCausalLM):
-        _parallelize_hf(model, tp_mesh, loss_parallel=loss_parallel)
-        return
-    assert isinstance(model, GPT), "config.layout admits tensor parallelism for GPT and hf"
-    # The GPT's pipeline layers hold its own modules: sharding them shards the model.
-    apply_tensor_parallel_to_layers(model.pipeline_layers(), tp_mesh, loss_parallel=loss_parallel)
+    with frozen_kept_frozen(model):
+        if isinstance(model, HFCausalLM):
+            _parallelize_hf(model, tp_mesh, loss_parallel=loss_parallel)
+            return
+        assert isinstance(model, GPT), "config.layout admits tensor parallelism for GPT and hf"
+        # The GPT's pipeline layers hold its own modules: sharding them shards the model.
+        apply_tensor_parallel_to_layers(
+            model.pipeline_layers(), tp_mesh, loss_parallel=loss_parallel
+        )
+
+
+@contextlib.contextmanager
+def frozen_kept_frozen(model: nn.Module) -> Iterator[None]:
+    """Parameters frozen before (LoRA's base) frozen again after: torch's parallel styles
+    register new parameters, which require a gradient whatever the old ones did (a
+    replicated norm would then train, and the optimizer take it)."""
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    try:
+        yield
+    finally:
+        for name in frozen:
+            model.get_parameter(name).requires_grad_(False)
 
 
 def apply_tensor_parallel_to_layers(
@@ -85,6 +102,13 @@ def apply_tensor_parallel_to_layers(
     shard (a stage passes its shard to the next: each tensor-parallel rank runs its own
     pipeline); the head gathers whole logits unless `loss_parallel`. Parameters the
     layers shared before (the tied embedding and head) stay shared."""
+    with frozen_kept_frozen(nn.ModuleList(layers)):
+        _parallelize_gpt_layers(layers, tp_mesh, loss_parallel=loss_parallel)
+
+
+def _parallelize_gpt_layers(
+    layers: list[nn.Module], tp_mesh: DeviceMesh, *, loss_parallel: bool
+) -> None:
     shared = _shared_parameters(layers)
     ends = gpt_model_plan(loss_parallel=loss_parallel)
     for layer in layers:
@@ -95,7 +119,7 @@ def apply_tensor_parallel_to_layers(
         else:
             assert isinstance(layer, Block), f"no tensor-parallel plan for {type(layer).__name__}"
             plan = gpt_block_plan()
-        parallelize_module(layer, tp_mesh, plan)
+        parallelize_module(layer, tp_mesh, with_adapters(layer, plan))
     for uses in shared:  # each side was distributed apart: tie them again
         first = uses[0][0].get_parameter(uses[0][1])
         for module, name in uses[1:]:
@@ -110,6 +134,79 @@ def _shared_parameters(layers: list[nn.Module]) -> list[list[tuple[nn.Module, st
             for name, param in module.named_parameters(recurse=False):
                 uses.setdefault(id(param), []).append((module, name))
     return [pairs for pairs in uses.values() if len(pairs) > 1]
+
+
+def with_adapters(layer: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """`plan` for a layer whose planned linear layers may carry LoRA adapters (peft's
+    `lora.Linear`: `base_layer`, and per adapter `lora_A` then `lora_B`), so that each
+    rank adds its part of the adapters' output to its part of the base layer's:
+    - the base layer is split as planned;
+    - under a column-parallel one, A is column-parallel too, its rank-r output gathered
+      whole (model.lora.rank divisible by the degree), and B column-parallel as the base
+      (each rank adds its slice of the output features);
+    - under a row-parallel one, A is row-parallel (each rank's share of the input
+      features, summed to the whole rank-r output) and B replicated, its output laid out
+      as the base's (the whole of it, or this rank's share of the sequence).
+    A planned module without adapters keeps its entry."""
+    out: dict[str, ParallelStyle] = {}
+    for name, style in plan.items():
+        module = layer.get_submodule(name)
+        adapters = getattr(module, "lora_A", None)
+        if not isinstance(adapters, nn.ModuleDict) or not hasattr(module, "base_layer"):
+            out[name] = style
+            continue
+        out[f"{name}.base_layer"] = style
+        for adapter in adapters:
+            a, b = f"{name}.lora_A.{adapter}", f"{name}.lora_B.{adapter}"
+            if isinstance(style, ColwiseParallel):
+                out[a] = ColwiseParallel(
+                    input_layouts=style.input_layouts[0],
+                    output_layouts=Replicate(),
+                    use_local_output=False,
+                )
+                out[b] = ColwiseParallel(
+                    input_layouts=Replicate(),
+                    output_layouts=style.output_layouts[0],
+                    use_local_output=style.use_local_output,
+                )
+            else:
+                assert isinstance(style, RowwiseParallel), f"LoRA on {name} under {style}"
+                out[a] = RowwiseParallel(
+                    input_layouts=style.input_layouts[0],
+                    output_layouts=Replicate(),
+                    use_local_output=False,
+                )
+                out[b] = ReplicatedAdapter(
+                    output_layout=style.output_layouts[0], use_local_output=style.use_local_output
+                )
+    return out
+
+
+class ReplicatedAdapter(ParallelStyle):
+    """LoRA's B under a row-parallel base layer: its weight replicated over `tp`, its
+    input the whole rank-r activation (a replicated DTensor), its output redistributed to
+    the base layer's output layout (a slice of the sequence costs no communication; its
+    gradient is gathered whole) and made local as the base's is."""
+
+    def __init__(self, *, output_layout: Any, use_local_output: bool) -> None:
+        super().__init__()
+        self.output_layout = output_layout
+        self.use_local_output = use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def replicated(_: nn.Module, inputs: Any, mesh: DeviceMesh) -> Any:
+            return tuple(
+                DTensor.from_local(x, mesh, [Replicate()])
+                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+                else x
+                for x in inputs
+            )
+
+        def laid_out(_: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
+            output = output.redistribute(placements=[self.output_layout])
+            return output.to_local() if self.use_local_output else output
+
+        return distribute_module(module, device_mesh, input_fn=replicated, output_fn=laid_out)
 
 
 def check_model_splits(cfg: JobConfig, model: nn.Module) -> None:
@@ -363,7 +460,7 @@ def _parallelize_hf(model: HFCausalLM, tp_mesh: DeviceMesh, *, loss_parallel: bo
     )
     for layer in cast(nn.ModuleList, body.get_submodule("layers")):
         plan = {name: HF_STYLES[style]() for name, style in _present(layer, styles).items()}
-        parallelize_module(layer, tp_mesh, plan)
+        parallelize_module(layer, tp_mesh, with_adapters(layer, plan))
     parallelize_module(model, tp_mesh, {"lm_head": _vocabulary_head(loss_parallel, Replicate())})
     if model.config.tie_word_embeddings:
         model.get_submodule("lm_head").weight = body.get_submodule("embed_tokens").weight

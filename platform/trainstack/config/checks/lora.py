@@ -29,8 +29,15 @@ def validate_lora(cfg: JobConfig) -> None:
             f"model.lora with strategy.kind={s.kind}: adapters over frozen weights train "
             f"under strategy.kind {kinds_that(lambda k: k.lora, last=' or ')}"
         )
+    if s.tensor_parallel > 1 and lora.rank % s.tensor_parallel:
+        raise ConfigError(
+            f"model.lora.rank={lora.rank} with strategy.tensor_parallel={s.tensor_parallel}: "
+            "each rank holds a share of the adapters' rank; allowed: a rank the "
+            "tensor-parallel degree divides"
+        )
     where = {
-        "strategy.tensor_parallel": s.tensor_parallel > 1,
+        "strategy.tensor_parallel (under a pipeline)": s.tensor_parallel > 1
+        and s.kind == "pipeline",
         "strategy.expert_parallel": s.expert_parallel > 1,
         "compression.kind": cfg.compression.kind != "none",
         "strategy.engine=deepspeed": s.kind == "pipeline" and s.engine == "deepspeed",
@@ -39,7 +46,8 @@ def validate_lora(cfg: JobConfig) -> None:
         if on:
             raise ConfigError(
                 f"model.lora with {key} set: adapters do not combine with it yet; allowed: "
-                f"ddp, zero, fsdp or pipeline (engine torch) without it, or model.lora.rank=0"
+                f"ddp, zero, fsdp (tensor_parallel too) or pipeline (engine torch) without "
+                "it, or model.lora.rank=0"
             )
 
 
@@ -49,21 +57,25 @@ def validate_dpo(cfg: JobConfig) -> None:
     check_choice("dpo.loss", d.loss, DPO_LOSSES)
     if cfg.task.kind != "dpo":
         return
-    if cfg.frozen_reference:
-        _check_frozen_reference(cfg)
     if cfg.task.loss:
         raise ConfigError(f"task.loss={cfg.task.loss} with task.kind=dpo: the loss is dpo.loss's")
+    _check_dpo_layout(cfg)
 
 
-def _check_frozen_reference(cfg: JobConfig) -> None:
-    """DPO without `model.lora` holds a frozen copy of the model as its reference, placed
-    as ddp and fsdp place the policy (`PlacesReference`)."""
+def _check_dpo_layout(cfg: JobConfig) -> None:
+    """DPO runs the reference beside the policy in one forward call per micro-batch, on
+    whole logits: under ddp, fsdp and (with LoRA, the reference the adapters off) zero;
+    without LoRA its frozen copy is placed as ddp and fsdp place the policy
+    (`PlacesReference`)."""
     s = cfg.strategy
-    if s.kind not in ("ddp", "fsdp"):
+    kinds = ("ddp", "fsdp") if cfg.frozen_reference else ("ddp", "fsdp", "zero")
+    named = f"{', '.join(kinds[:-1])} or {kinds[-1]}"
+    if s.kind not in kinds:
+        lora = "without model.lora " if cfg.frozen_reference else ""
+        also = "; or set model.lora (then zero too)" if cfg.frozen_reference else ""
         raise ConfigError(
-            f"task.kind=dpo without model.lora under strategy.kind={s.kind}: its frozen "
-            "reference copy is placed under ddp or fsdp; or set model.lora (the reference "
-            "is then the model with its adapters off, under ddp, fsdp or zero)"
+            f"task.kind=dpo {lora}under strategy.kind={s.kind}: allowed: strategy.kind "
+            f"{named}{also}"
         )
     where = {
         "strategy.tensor_parallel": s.tensor_parallel > 1,
@@ -72,6 +84,7 @@ def _check_frozen_reference(cfg: JobConfig) -> None:
     for key, on in where.items():
         if on:
             raise ConfigError(
-                f"task.kind=dpo with {key} set: DPO's reference does not combine with it yet; "
-                "allowed: ddp or fsdp without it"
+                f"task.kind=dpo with {key} set: DPO's reference and its whole-logit "
+                f"log-probabilities do not combine with it yet; allowed: {named} "
+                "without it"
             )
