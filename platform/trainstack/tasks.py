@@ -193,8 +193,15 @@ class Task:
         policy, count = _answer_logprobs(self.logits(outputs.logits, targets), targets)
         reference, _ = _answer_logprobs(outputs.reference.detach(), targets)
         if self.dpo_loss == "ipo":
-            policy, reference = policy / count, reference / count
-        ratio = policy - reference
+            policy, reference = policy / count.clamp(min=1), reference / count.clamp(min=1)
+        answered = count[0::2] > 0  # [b, K]: the pairs of each sample (packed: several)
+        if not torch.equal(answered, count[1::2] > 0):
+            raise TaskOutputError(
+                "task.kind=dpo: a sample's chosen and rejected rows hold different numbers "
+                "of answers"
+            )
+        chosen, rejected = (policy - reference)[0::2], (policy - reference)[1::2]
+        ratio = torch.stack([chosen[answered], rejected[answered]], dim=1).flatten()
         margins = ratio[0::2] - ratio[1::2]
         beta = self.dpo_beta
         if self.dpo_loss == "ipo":
@@ -337,13 +344,21 @@ def evaluate(
 def _answer_logprobs(
     logits: torch.Tensor, targets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's summed log-probability of its scored targets (not -100), and how many
-    there are."""
+    """Each answer's summed log-probability of its scored targets (not -100), and how
+    many there are, as [rows, K]: an answer is a run of scored targets, K the most a row
+    holds (1 padded; a packed row's answers in order, 0 tokens past its last)."""
     if logits.dtype not in (torch.float32, torch.float64):  # bf16 logits: fp32 sums
         logits = logits.float()
     scored = targets != IGNORED_TARGET
     picked = torch.log_softmax(logits, dim=-1).gather(-1, targets.clamp(min=0).unsqueeze(-1))
-    return (picked.squeeze(-1) * scored).sum(-1), scored.sum(-1)
+    before = torch.nn.functional.pad(scored[:, :-1], (1, 0))  # the position before each
+    answer = torch.cumsum(scored & ~before, dim=-1) - 1  # each scored target's answer
+    k = max(int(answer.max()) + 1, 1)
+    slot = answer.clamp(min=0)
+    sums = torch.zeros(scored.shape[0], k, dtype=picked.dtype, device=picked.device)
+    sums = sums.scatter_add(1, slot, picked.squeeze(-1) * scored)
+    counts = torch.zeros(scored.shape[0], k, dtype=torch.long, device=scored.device)
+    return sums, counts.scatter_add(1, slot, scored.long())
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -28,6 +29,7 @@ from trainstack.tasks import (
 )
 
 from chat_data import ids, make_tokenizer, write_jsonl
+from user_model_specs import HF_WIDTHS
 
 VOCAB, T = 16, 8
 
@@ -164,6 +166,59 @@ def test_without_lora_the_reference_is_a_frozen_copy_of_the_model_as_it_started(
     assert all(p.grad is None for p in reference.parameters())
     assert all(p.grad is not None for p in policy.parameters() if p.requires_grad)
     assert len(held_parameters(policy)) == 2 * len(list(policy.parameters()))
+
+
+def test_packed_pairs_give_each_pair_the_loss_and_rewards_it_has_padded(tmp_path: Path) -> None:
+    """`data.pack` with preference pairs (a Hugging Face model, which computes each
+    conversation of a packed row as alone): several pairs share a sample, the chosen
+    answers on one row and the rejected on the next in the same order, and every pair's
+    loss, margin and rewards equal those of the same pair padded to rows of its own."""
+    records = [
+        {"prompt": f"what is {a} plus {b}", "chosen": f"it is {a + b}", "rejected": f"{a - b}"}
+        for a, b in [(1, 2), (3, 4), (2, 2), (5, 1), (4, 3), (1, 1), (2, 5)]
+    ]
+    raw = {
+        "model": {
+            "kind": "hf",
+            "hf": {"model_type": "qwen2", **HF_WIDTHS},
+            "block_size": 64,
+            "lora": {"rank": 2, "alpha": 4},
+        },
+        "task": {"kind": "dpo"},
+        "dpo": {"beta": 0.5},
+        "data": {
+            "kind": "preference",
+            "train": [str(write_jsonl(tmp_path / "pairs.jsonl", records))],
+            "tokenizer": str(make_tokenizer(tmp_path / "tok")),
+            "vocab_size": 32,
+            "eval_samples": 0,
+            "shuffle": False,
+            "pack": True,
+        },
+        "train": {"precision": "fp64"},
+    }
+    packed_cfg = config_from_dict(raw)
+    padded_cfg = config_from_dict({**raw, "data": {**raw["data"], "pack": False}})
+    packed = PreferenceCorpus.from_config(packed_cfg.data).at(64).train
+    padded = PreferenceCorpus.from_config(padded_cfg.data).at(64).train
+    assert len(padded) == 7 and len(packed) < 7  # several pairs share a sample
+    x, y = packed.take(np.arange(len(packed)), seq_len=64)
+    assert x.shape == (2 * len(packed), 2, 64) and y.shape == (2 * len(packed), 64)
+    px, py = padded.take(np.arange(7), seq_len=64)
+
+    model = build_model(packed_cfg.model, vocab_size=32, seed=0).double()
+    with torch.no_grad():  # a policy that differs from its reference
+        for name, p in model.named_parameters():
+            if is_adapter_key(name):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    task = build_task(packed_cfg)
+    together = task.preferences(task.eval_outputs(model, x), y)
+    alone = task.preferences(task.eval_outputs(model, px), py)
+    assert len(together.losses) == 7  # every pair found again, in file order
+    for field in ("losses", "margins", "chosen_rewards", "rejected_rewards"):
+        a, b = getattr(together, field), getattr(alone, field)
+        assert torch.allclose(a, b, rtol=0, atol=1e-12), (field, a, b)
+    assert alone.margins.abs().min() > 1e-3  # the pairs' figures differ from one another
 
 
 def test_held_out_sums_give_the_accuracy_rewards_and_margin() -> None:

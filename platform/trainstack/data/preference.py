@@ -16,6 +16,15 @@ padding; position ids from 0). A micro-batch of b pairs is inputs [2b, T] and ta
 file:line, or cut with `data.truncate` (refused if no answer token is left). Pairs are
 read in seeded epochs like the other file sources, so the global batch is the same at
 any world size and a cursor resumes exactly.
+
+With `data.pack: true` (a Hugging Face model) a sample is two packed rows instead: the
+chosen answers of several pairs, in file order, then the rejected answers of the same
+pairs in the same order, each conversation with its own position ids (restarting at 0)
+as `data.kind: chat` packs them (`PackedPreferenceSamples`). Pairs join the current
+sample while both sides still fit T positions. A micro-batch of b samples is inputs
+[2b, 2, T] and targets [2b, T]; each answer is one run of scored targets, so the task
+finds the pairs again row by row (`tasks._answer_logprobs`). The held-out set is packed
+the same way, so `data.eval_samples` counts packed samples.
 """
 
 from __future__ import annotations
@@ -119,6 +128,61 @@ class PreferenceSamples:
         return x, y
 
 
+def pack_pairs(pairs: Sequence[Pair], *, seq_len: int) -> list[tuple[int, ...]]:
+    """The pairs (by index) in each packed sample: in order, each joining the current
+    sample if both its answers' inputs still fit seq_len positions on their rows."""
+    if not pairs:
+        return []
+    samples: list[tuple[int, ...]] = []
+    sample: list[int] = []
+    used = [0, 0]
+    for i, pair in enumerate(pairs):
+        widths = [len(pair.chosen.ids) - 1, len(pair.rejected.ids) - 1]
+        if sample and any(u + w > seq_len for u, w in zip(used, widths, strict=True)):
+            samples.append(tuple(sample))
+            sample, used = [], [0, 0]
+        sample.append(i)
+        used = [u + w for u, w in zip(used, widths, strict=True)]
+    samples.append(tuple(sample))
+    return samples
+
+
+class PackedPreferenceSamples:
+    """A `SampleSet` of packed pairs (`pack_pairs`): each sample two rows of seq_len, its
+    pairs' chosen answers then their rejected ones, in the same order; inputs [2b, 2, T]
+    (token ids, position ids restarting at 0 at each conversation and at the padding)."""
+
+    def __init__(self, pairs: Sequence[Pair], *, pad_id: int, seq_len: int) -> None:
+        self.pairs = tuple(pairs)
+        self.pad_id = pad_id
+        self.samples = pack_pairs(self.pairs, seq_len=seq_len)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def take(self, ids: np.ndarray, *, seq_len: int) -> Batch:
+        rows = 2 * len(ids)
+        x = torch.full((rows, 2, seq_len), self.pad_id, dtype=torch.int64)
+        y = torch.full((rows, seq_len), IGNORED_TARGET, dtype=torch.int64)
+        for n, i in enumerate(np.asarray(ids).tolist()):
+            members = [self.pairs[p] for p in self.samples[i]]
+            sides = (
+                (2 * n, [p.chosen for p in members]),
+                (2 * n + 1, [p.rejected for p in members]),
+            )
+            for row, chats in sides:
+                at = 0
+                for chat in chats:
+                    tokens, targets = chat.tensors()
+                    width = len(targets)
+                    x[row, 0, at : at + width] = tokens[:-1]
+                    x[row, 1, at : at + width] = torch.arange(width)
+                    y[row, at : at + width] = targets
+                    at += width
+                x[row, 1, at:] = torch.arange(seq_len - at)  # padding: a sequence of its own
+        return x, y
+
+
 class PreferenceCorpus(ChatCorpus):
     """A `sharding.Corpus` over preference files (`ChatCorpus`'s reading, split and
     fingerprint; pairs for samples)."""
@@ -130,4 +194,6 @@ class PreferenceCorpus(ChatCorpus):
 
     def samples(self, seq_len: int) -> Callable[[Sequence[Any]], SampleSet]:
         pad_id = self.tokenizer.pad_id
+        if self.cfg.pack:
+            return lambda pairs: PackedPreferenceSamples(pairs, pad_id=pad_id, seq_len=seq_len)
         return lambda pairs: PreferenceSamples(pairs, pad_id=pad_id)

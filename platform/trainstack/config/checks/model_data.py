@@ -144,8 +144,8 @@ def validate_pack(cfg: JobConfig) -> None:
     if not cfg.data.pack:
         return
     why = None
-    if cfg.data.kind != "chat":
-        why = f"packs conversations: it is for data.kind chat; got {cfg.data.kind}"
+    if cfg.data.kind not in ("chat", "preference"):
+        why = f"packs conversations: it is for data.kind chat or preference; got {cfg.data.kind}"
     elif cfg.model.kind != "hf":
         why = f"gives the model position ids: it is for model.kind hf; got {cfg.model.kind}"
     elif kind_of(cfg).ranks == "pipeline" and cfg.strategy.engine != "torch":
