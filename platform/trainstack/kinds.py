@@ -146,7 +146,7 @@ KINDS: dict[str, StrategyKind] = {
             moe="without bias",
             model_checks=("trainstack.ps.partition:check_shards",),
         ),
-        StrategyKind(name="auto", runs_on="plan", engine="torch", float64=False),
+        StrategyKind(name="auto", runs_on="plan", engine="torch", float64=False, lora=True),
     )
 }
 """Every `strategy.kind`, by name."""

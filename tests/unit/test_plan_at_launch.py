@@ -76,3 +76,14 @@ def test_a_layout_the_devices_cannot_hold_is_refused_with_the_best_that_fits(
 def test_a_bad_device_memory_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"scaling\.device_memory=80XB: not a quantity"):
         config_from_dict(spec(tmp_path, scaling={"device_memory": "80XB"}))
+
+
+def test_auto_with_lora_counts_the_adapters_alone_and_keeps_ddp(tmp_path: Path) -> None:
+    """Where a full fine-tune must shard (above), LoRA's state is the frozen weights and
+    the adapters' own gradients and AdamW state: DDP holds it, and auto takes it."""
+    tight = {"device_memory": "1.15GB"}
+    lora = {"lora": {"rank": 4}}
+    cfg = config_from_dict(spec(tmp_path, strategy={"kind": "auto"}, scaling=tight, model=lora))
+    chosen, why = resolve_auto(cfg)
+    assert chosen.strategy.kind == "ddp" and chosen.model.lora.rank == 4
+    assert why.startswith("strategy.kind=auto chose ddp 2") and "(ddp would need" not in why
