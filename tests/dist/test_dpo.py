@@ -83,11 +83,11 @@ def spec(tmp_path: Path, *, precision: str = "fp64") -> dict[str, Any]:
 
 
 def on_two(
-    raw: dict[str, Any], strategy: dict[str, Any], out: Path
+    raw: dict[str, Any], strategy: dict[str, Any], out: Path, *, workers: int = 2
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    spec = {**copy.deepcopy(raw), "strategy": strategy, "scaling": {"num_workers": 2}}
+    spec = {**copy.deepcopy(raw), "strategy": strategy, "scaling": {"num_workers": workers}}
     spec["checkpoint"]["storage_path"] = str(out / "runs")
-    summary = run_processes(config_from_dict(spec), world_size=2, out_dir=out)
+    summary = run_processes(config_from_dict(spec), world_size=workers, out_dir=out)
     return summary, torch.load(out / "model.pt", weights_only=True)
 
 
@@ -97,12 +97,18 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tenso
     return one_process(spec(out), out / "one")
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+@pytest.mark.parametrize("kind", ["ddp", "fsdp", "fsdp-tp2"])
 def test_dpo_under_ddp_and_fsdp_trains_what_one_process_trains(
     tmp_path: Path, reference: dict[str, torch.Tensor], kind: str
 ) -> None:
+    """fsdp-tp2: FSDP 2 × tensor parallel 2 (4 ranks), the adapters split as their
+    layers are, the logits gathered whole for the answers' log-probabilities."""
     raw = spec(tmp_path)
-    summary, weights = on_two(raw, {"kind": kind}, tmp_path / kind)
+    if kind == "fsdp-tp2":
+        strategy, workers = {"kind": "fsdp", "tensor_parallel": 2}, 4
+    else:
+        strategy, workers = {"kind": kind}, 2
+    summary, weights = on_two(raw, strategy, tmp_path / kind, workers=workers)
     diff = max_difference(weights, reference)
     figures = {k: round(v, 4) for k, v in summary.items() if k.startswith("eval_")}
     print(f"max |dpo {kind} x 2 - one process| = {diff:.3g}; {figures}")

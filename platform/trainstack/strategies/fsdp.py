@@ -99,7 +99,7 @@ class FSDPStrategy:
             self.meshes = build_meshes(self.layout, device_type=self.ctx.device.type)
             if self.layout.tp > 1:
                 apply_tensor_parallel(
-                    model, self.meshes.tp, loss_parallel=self.cfg.strategy.loss_parallel
+                    model, self.meshes.tp, loss_parallel=self._vocabulary_sharded()
                 )
             self._tp_local_numel = sum(local_part(p).numel() for p in model.parameters())
             apply_compile(self.cfg, model)  # torchtitan's order: TP, (AC,) compile, FSDP
@@ -161,8 +161,13 @@ class FSDPStrategy:
 
     # ---- training ----------------------------------------------------------------
 
+    def _vocabulary_sharded(self) -> bool:
+        """`strategy.loss_parallel`, except for DPO, whose log-probabilities of the answers
+        are taken on whole logits."""
+        return self.cfg.strategy.loss_parallel and self.cfg.task.kind != "dpo"
+
     def _uses_loss_parallel(self) -> bool:
-        return self.layout.tp > 1 and self.ctx.is_distributed and self.cfg.strategy.loss_parallel
+        return self.layout.tp > 1 and self.ctx.is_distributed and self._vocabulary_sharded()
 
     def _compute_context(self) -> contextlib.ExitStack:
         """loss_parallel (vocabulary-sharded cross-entropy) and bf16 autocast where FSDP's

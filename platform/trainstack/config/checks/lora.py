@@ -64,9 +64,9 @@ def validate_dpo(cfg: JobConfig) -> None:
 
 def _check_dpo_layout(cfg: JobConfig) -> None:
     """DPO runs the reference beside the policy in one forward call per micro-batch, on
-    whole logits: under ddp, fsdp and (with LoRA, the reference the adapters off) zero;
-    without LoRA its frozen copy is placed as ddp and fsdp place the policy
-    (`PlacesReference`)."""
+    whole logits: under ddp, fsdp (with LoRA, tensor parallel too: the head gathers the
+    logits) and, with LoRA (the reference the adapters off), zero; without LoRA its
+    frozen copy is placed as ddp and fsdp place the policy (`PlacesReference`)."""
     s = cfg.strategy
     kinds = ("ddp", "fsdp") if cfg.frozen_reference else ("ddp", "fsdp", "zero")
     named = f"{', '.join(kinds[:-1])} or {kinds[-1]}"
@@ -78,7 +78,7 @@ def _check_dpo_layout(cfg: JobConfig) -> None:
             f"{named}{also}"
         )
     where = {
-        "strategy.tensor_parallel": s.tensor_parallel > 1,
+        "strategy.tensor_parallel": s.tensor_parallel > 1 and cfg.frozen_reference,
         "strategy.expert_parallel": s.expert_parallel > 1,
     }
     for key, on in where.items():
