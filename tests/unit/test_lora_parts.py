@@ -40,7 +40,7 @@ def gpt(**lora: Any) -> dict[str, Any]:
         (
             {**gpt(rank=4), "strategy": {"kind": "ps"}, "optim": {"grad_clip": 0}},
             "model.lora with strategy.kind=ps: adapters over frozen weights train under "
-            "strategy.kind ddp, zero, fsdp or pipeline",
+            "strategy.kind ddp, zero, fsdp, pipeline or auto",
         ),
         (
             {**gpt(rank=4), "strategy": {"kind": "pipeline", "stages": 2, "engine": "deepspeed"}},
