@@ -29,10 +29,17 @@ def validate_mesh(cfg: JobConfig) -> None:
     for key, value in (
         ("strategy.tensor_parallel", s.tensor_parallel),
         ("strategy.data_parallel_replicate", s.data_parallel_replicate),
+        ("strategy.context_parallel", s.context_parallel),
     ):
         if not 1 <= value <= MAX_DEGREE:
             raise ConfigError(f"{key}={value} is out of range; allowed: 1 to {MAX_DEGREE}")
     ranks = kind_of(cfg).ranks
+    if s.context_parallel != 1 and ranks != "mesh":
+        raise ConfigError(
+            f"strategy.context_parallel={s.context_parallel} splits every row's tokens over "
+            f"fsdp's mesh; strategy.kind={s.kind} does not lay one (allowed: strategy.kind "
+            "fsdp, or context_parallel=1)"
+        )
     if ranks == "pipeline":
         _validate_pipeline_mesh(cfg)
         return
@@ -52,6 +59,7 @@ def validate_mesh(cfg: JobConfig) -> None:
         return
     _validate_tiling(cfg)
     _validate_tensor_parallel(cfg)
+    _validate_context_parallel(cfg)
     _validate_companions(cfg)
 
 
@@ -102,14 +110,52 @@ def _validate_pipeline_mesh(cfg: JobConfig) -> None:
 
 def _validate_tiling(cfg: JobConfig) -> None:
     s, workers = cfg.strategy, cfg.scaling.num_workers
-    r, t = s.data_parallel_replicate, s.tensor_parallel
-    if workers % (r * t):
+    r, c, t = s.data_parallel_replicate, s.context_parallel, s.tensor_parallel
+    if workers % (r * c * t):
         raise ConfigError(
             f"scaling.num_workers={workers} must be a multiple of "
-            f"strategy.data_parallel_replicate × strategy.tensor_parallel = {r} × {t} = {r * t} "
-            "(the mesh is replicate × shard × tensor-parallel, and the shard degree is what "
-            "is left)"
+            f"strategy.data_parallel_replicate × strategy.context_parallel × "
+            f"strategy.tensor_parallel = {r} × {c} × {t} = {r * c * t} (the mesh is replicate "
+            "× shard × context-parallel × tensor-parallel, and the shard degree is what is "
+            "left)"
         )
+
+
+def _validate_context_parallel(cfg: JobConfig) -> None:
+    """Context parallelism splits a GPT's rows for the `lm` task, its attention a ring
+    (`strategies/context_parallel.py`); what it does not combine with yet is refused."""
+    s, m, c = cfg.strategy, cfg.model, cfg.strategy.context_parallel
+    if c == 1:
+        return
+    where = f"strategy.context_parallel={c}"
+    if m.kind != "gpt":
+        raise ConfigError(
+            f"{where} runs trainstack's GPT's attention as a ring over the ranks; "
+            f"model.kind={m.kind} computes its own attention (allowed: model.kind gpt, or "
+            "context_parallel=1)"
+        )
+    if m.block_size % (2 * c):
+        raise ConfigError(
+            f"{where}: model.block_size={m.block_size} must be divisible by 2 × {c} = "
+            f"{2 * c} (each rank holds an early and a late chunk of every row)"
+        )
+    unsupported = {
+        "strategy.tensor_parallel": s.tensor_parallel > 1,
+        "strategy.data_parallel_replicate": s.data_parallel_replicate > 1,
+        "model.dropout": m.dropout > 0,
+        "model.moe": m.moe.experts > 0,
+        "model.lora": m.lora.rank > 0,
+        "train.compile": cfg.train.compile,
+        f"task.kind={cfg.task.kind}": cfg.task.kind != "lm",
+        f"data.kind={cfg.data.kind}": data_kind_of(cfg).streams,
+    }
+    for key, on in unsupported.items():
+        if on:
+            raise ConfigError(
+                f"{where} with {key} set: context parallelism does not combine with it yet; "
+                "allowed: fsdp (data-parallel sharding alone) with an indexed source, the lm "
+                "task and a dense GPT without dropout, or context_parallel=1"
+            )
 
 
 def _validate_tensor_parallel(cfg: JobConfig) -> None:

@@ -284,6 +284,12 @@ class StrategyConfig:
     """fsdp, and pipeline (torch engine, GPT): tensor-parallel degree t (Megatron-style
     column/row-parallel attention and MLP, sequence-parallel norms); must divide the
     heads, the width, the vocabulary and the sequence."""
+    context_parallel: int = 1
+    """fsdp (GPT): context-parallel degree c: each of c ranks holds 1/c of every row's
+    tokens (an early and a late chunk) and attention runs as a ring over them
+    (`strategies/context_parallel.py`); `model.block_size` divisible by 2c. The shard
+    degree is scaling.num_workers / c: FSDP shards over the data- and context-parallel
+    ranks alike."""
     data_parallel_replicate: int = 1
     """fsdp: replica groups r (HSDP: parameters sharded within a group, replicated across
     groups); the shard degree is scaling.num_workers / (r × tensor_parallel). pipeline

@@ -8,6 +8,10 @@ along the same layers, so there is one GPT forward. The layers hold the model's 
 submodules (`tok_emb`, `pos_emb`, `blocks`, `ln_f`, `lm_head`), so parameter names
 are the model's wherever a layer runs.
 
+Under context parallelism (`models/sequence_shard.py`) a rank's embedding and attention
+see its share of the sequence: its tokens' global positions, and attention over the
+whole sequence's keys by the strategy's ring.
+
 With `model.moe.experts` E > 0, every `moe.every`-th block's MLP is a mixture of E
 experts (`models/moe.py`), and the forward returns `MoEOutput(logits, aux_loss)`: the
 logits and the blocks' weighted balance loss, which the task adds to the training loss.
@@ -25,6 +29,7 @@ from torch import nn
 from trainstack.config import ModelConfig
 from trainstack.models.linear_ce import LMHead
 from trainstack.models.moe import MoE, MoEOutput, total_aux_loss
+from trainstack.models.sequence_shard import current_shard
 
 
 class CausalSelfAttention(nn.Module):
@@ -53,8 +58,12 @@ class CausalSelfAttention(nn.Module):
             proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
             for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
-        dropout_p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        shard = current_shard()
+        if shard is not None:  # context parallel: this rank's queries over every key
+            y = shard.attend(q, k, v)
+        else:
+            dropout_p = self.dropout if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.resid_drop(self.c_proj(y))
 
@@ -96,7 +105,8 @@ class GPTEmbedding(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         seq_len = idx.shape[1]
         assert seq_len <= self.pos_emb.num_embeddings, f"{seq_len} tokens > block_size"
-        pos = torch.arange(seq_len, device=idx.device)
+        shard = current_shard()  # context parallel: this rank's tokens' own positions
+        pos = shard.positions if shard is not None else torch.arange(seq_len, device=idx.device)
         return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
 
 

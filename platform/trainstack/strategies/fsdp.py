@@ -59,6 +59,7 @@ from trainstack.strategies.base import (
     weight_dtype,
 )
 from trainstack.strategies.comm_count import CollectiveBytes
+from trainstack.strategies.context_parallel import ContextParallel, context_parallel_groups
 from trainstack.strategies.dtensor_state import local_part
 from trainstack.strategies.mesh import Meshes, build_meshes, finish_pending_sums, squared_norm
 from trainstack.strategies.named_optimizer_state import (
@@ -87,6 +88,8 @@ class FSDPStrategy:
         self._tp_local_numel = 0
         self._counted_bytes: int | None = None
         """Bytes this rank sent in its first step, counted from its collectives."""
+        self.context: ContextParallel | None = None
+        """`strategy.context_parallel` > 1: this rank's share of every row's tokens."""
 
     # ---- set-up ------------------------------------------------------------------
 
@@ -102,13 +105,17 @@ class FSDPStrategy:
                     model, self.meshes.tp, loss_parallel=self._vocabulary_sharded()
                 )
             self._tp_local_numel = sum(local_part(p).numel() for p in model.parameters())
+            if self.layout.cp > 1:
+                self.context = ContextParallel(
+                    context_parallel_groups(self.layout.cp), seq_len=self.cfg.model.block_size
+                )
             apply_compile(self.cfg, model)  # torchtitan's order: TP, (AC,) compile, FSDP
-            if self.layout.dp > 1:
+            if self._sharded_ranks() > 1:
                 self._shard(model, self.meshes)
         else:
             self._tp_local_numel = sum(p.numel() for p in model.parameters())
             apply_compile(self.cfg, model)
-        sharded = self.ctx.is_distributed and self.layout.dp > 1
+        sharded = self.ctx.is_distributed and self._sharded_ranks() > 1
         offloaded = sharded and self.cfg.strategy.offload_param == "cpu"
         materialise(model, torch.device("cpu") if offloaded else self.ctx.device)
         self.model = model
@@ -117,6 +124,11 @@ class FSDPStrategy:
         self.scheduler = build_scheduler(
             self.optimizer, self.cfg.optim, total_steps=self.cfg.train.steps
         )
+
+    def _sharded_ranks(self) -> int:
+        """The ranks FSDP shards over: every data-parallel one, and under context
+        parallelism every context-parallel one too (their gradients are averaged alike)."""
+        return self.layout.dp * self.layout.cp
 
     def _shard(self, model: nn.Module, meshes: Meshes) -> None:
         """fully_shard each repeated block, then the root (what the blocks leave)."""
@@ -146,7 +158,7 @@ class FSDPStrategy:
         """DPO's frozen reference sharded over the same mesh as the policy, block by block
         (`PlacesReference`): each rank holds 1/dp of it, gathered for its forward."""
         place(reference, self.ctx.device)
-        sharded = self.ctx.is_distributed and self.layout.dp > 1
+        sharded = self.ctx.is_distributed and self._sharded_ranks() > 1
         if sharded:
             assert self.meshes is not None, "setup() first"
             self._shard(reference, self.meshes)
@@ -173,6 +185,8 @@ class FSDPStrategy:
         """loss_parallel (vocabulary-sharded cross-entropy) and bf16 autocast where FSDP's
         mixed-precision policy does not already cast."""
         stack = contextlib.ExitStack()
+        if self.context is not None:  # the forward and backward of this rank's tokens
+            stack.enter_context(self.context.shard(self.ctx.device))
         if self._uses_loss_parallel():
             stack.enter_context(loss_parallel())
         sharded_by_fsdp = isinstance(self.model, FSDPModule)
@@ -196,6 +210,8 @@ class FSDPStrategy:
         accum = len(micro_batches)
         total = torch.zeros((), device=self.ctx.device)
         for i, (x, y) in enumerate(micro_batches):
+            if self.context is not None:
+                x, y = self.context.local((x, y))
             x, y = to_device(
                 (x, y),
                 self.ctx.device,
@@ -236,6 +252,8 @@ class FSDPStrategy:
             logits = getattr(outputs, "logits", outputs)
             return logits.full_tensor() if isinstance(logits, DTensor) else outputs
 
+        if self.context is not None:
+            batches = [self.context.local(batch) for batch in batches]
         sums = evaluate(self.task, forward, batches, device=self.ctx.device)
         restore()
         if self.meshes is not None:  # replicas add theirs; a tp group holds one copy
@@ -244,9 +262,9 @@ class FSDPStrategy:
 
     def global_mean(self, value: torch.Tensor) -> float:
         value = local_part(value.detach()).to(self.ctx.device, torch.float64).clone()
-        if self.meshes is not None:
+        if self.meshes is not None:  # replicas and context-parallel ranks alike
             dist.all_reduce(value, group=self.meshes.data_parallel_group)
-        return float(value) / self.layout.dp
+        return float(value) / (self.layout.dp * self.layout.cp)
 
     def comm_bytes_per_step(self) -> int:
         """Bytes this rank sends per step: counted from its first step's collectives
@@ -261,7 +279,7 @@ class FSDPStrategy:
     def _modelled_comm_bytes(self) -> int:
         """`comm_bytes_per_step` before a step has been counted (ring collectives)."""
         layout, cfg = self.layout, self.cfg
-        s, r, t = layout.dp_shard, layout.dp_replicate, layout.tp
+        s, r, t = layout.dp_shard * layout.cp, layout.dp_replicate, layout.tp
         element = weight_dtype(cfg).itemsize
         param_bytes = self._tp_local_numel * element
         gathers = 2 if cfg.strategy.reshard_after_forward else 1
