@@ -14,11 +14,11 @@ previous rank's, N - 1 times, so it sees every chunk once. Each block's scores a
 masked by the chunks' global positions (a key is seen by the queries at or after it), a
 block no query of this rank may see is skipped (its keys and values still pass on), and
 the blocks are merged by their log-sum-exp (online softmax): the result equals softmax
-attention over the whole sequence. The passing is an autograd function of its own
-(`_PassOn`: forward to the next rank, its gradient back to the previous), so autograd
-differentiates the whole ring and the backward returns each key's and value's gradient
-to the rank that holds it. Each rank keeps its blocks' scores for the backward: [B, H,
-T/N, T] over the N steps, 1/N of one process's.
+attention over the whole sequence. It is one autograd function (`_RingAttention`) that
+keeps what a fused attention kernel keeps (q, this rank's k and v, the output and the
+log-sum-exp, never a block's scores), so a rank's activations are those of a T / N
+sequence; its backward makes each block's scores again and passes the keys and values
+round once more, their gradients travelling with them back to the rank that holds them.
 
 **Why not torch's.** `torch.distributed.tensor.experimental.context_parallel` swaps
 `scaled_dot_product_attention` for a ring over the flash, memory-efficient or cuDNN
@@ -57,21 +57,6 @@ def zigzag_positions(seq_len: int, *, size: int, rank: int) -> torch.Tensor:
     return torch.cat([early, late])
 
 
-class _PassOn(torch.autograd.Function):
-    """`x` sent to the next rank of the ring, the previous rank's received; backward,
-    the gradient sent back to the previous rank and the next's received."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, ring: Ring) -> torch.Tensor:
-        ctx.ring = ring
-        return ring.exchange(x, to=ring.next, source=ring.previous)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        ring: Ring = ctx.ring
-        return ring.exchange(grad, to=ring.previous, source=ring.next), None
-
-
 class Ring:
     """This rank's context-parallel group as a ring: global ranks of its neighbours."""
 
@@ -82,17 +67,93 @@ class Ring:
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.previous = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
-    def exchange(self, x: torch.Tensor, *, to: int, source: int) -> torch.Tensor:
-        x = x.contiguous()
-        received = torch.empty_like(x)
-        requests = [
-            dist.isend(x, dst=to, group=self.group),
-            dist.irecv(received, src=source, group=self.group),
-        ]
+    def pass_on(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """Each tensor sent to the next rank; the previous rank's received in its place."""
+        sent = [t.contiguous() for t in tensors]
+        received = [torch.empty_like(t) for t in sent]
+        requests = []
+        for out, into in zip(sent, received, strict=True):  # in order: gloo and NCCL match
+            requests.append(dist.isend(out, dst=self.next, group=self.group))  # by order
+            requests.append(dist.irecv(into, src=self.previous, group=self.group))
         for request in requests:
             assert request is not None, "this rank is in the ring's group"
             request.wait()
         return received
+
+
+def _block_scores(
+    q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Scaled scores of queries over one block of keys, -inf where a key is not seen."""
+    return ((q @ k.transpose(-2, -1)) * scale).masked_fill(~visible, float("-inf"))
+
+
+def _probabilities(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """softmax weights of one block's scores, given the whole row's log-sum-exp."""
+    return torch.exp(scores - lse)  # a masked score: exp(-inf) = 0
+
+
+class _RingAttention(torch.autograd.Function):
+    """Forward: each block's scores, made and dropped in turn, merged by log-sum-exp;
+    keeps only q, this rank's k and v, the output and the log-sum-exp (what a fused
+    attention kernel keeps), so a rank's activations are 1/N of one process's. Backward:
+    the blocks again, the keys and values passed round the ring once more with their
+    gradients accumulating beside them, back to the rank that holds them."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ring: Ring,
+        visible: list[torch.Tensor],
+    ) -> torch.Tensor:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        out = torch.zeros_like(q)
+        lse = torch.full((*q.shape[:-1], 1), float("-inf"), dtype=q.dtype, device=q.device)
+        k_j, v_j = k, v
+        for step in range(ring.size):
+            if step:
+                k_j, v_j = ring.pass_on(k_j, v_j)
+            mask = visible[step]
+            if not bool(mask.any()):
+                continue
+            scores = _block_scores(q, k_j, mask, scale)
+            block_lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # -inf: row sees none
+            merged = torch.logaddexp(lse, block_lse)
+            finite = torch.isfinite(merged)
+            safe = torch.where(finite, merged, torch.zeros_like(merged))
+            out = out * torch.exp(lse - safe) + _probabilities(scores, safe) @ v_j
+            lse = torch.where(finite, merged, lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.visible, ctx.scale = ring, visible, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        ring: Ring = ctx.ring
+        scale: float = ctx.scale
+        grad = grad.contiguous()
+        delta = (grad * out).sum(dim=-1, keepdim=True)  # rowsum(dO ∘ O)
+        dq = torch.zeros_like(q)
+        k_j, v_j = k, v
+        dk_j, dv_j = torch.zeros_like(k), torch.zeros_like(v)
+        for step in range(ring.size):
+            if step:
+                k_j, v_j, dk_j, dv_j = ring.pass_on(k_j, v_j, dk_j, dv_j)
+            mask = ctx.visible[step]
+            if not bool(mask.any()):
+                continue
+            p = _probabilities(_block_scores(q, k_j, mask, scale), lse)
+            dv_j = dv_j + p.transpose(-2, -1) @ grad
+            ds = p * (grad @ v_j.transpose(-2, -1) - delta)
+            dq = dq + (ds @ k_j) * scale
+            dk_j = dk_j + (ds.transpose(-2, -1) @ q) * scale
+        if ring.size > 1:  # the gradients of the keys and values held one rank back
+            dk_j, dv_j = ring.pass_on(dk_j, dv_j)
+        return dq, dk_j, dv_j, None, None
 
 
 def ring_attention(
@@ -105,32 +166,13 @@ def ring_attention(
 ) -> torch.Tensor:
     """Causal softmax attention of this rank's queries [B, H, Tq, D] over the keys and
     values of every rank of `ring` (each [B, H, Tk, D], `positions[i]` the global places of
-    ring rank i's tokens), merged block by block by log-sum-exp."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    q_pos = positions[ring.rank].to(q.device)
-    out: torch.Tensor | None = None
-    lse: torch.Tensor | None = None
-    for step in range(ring.size):
-        if step:
-            k, v = _PassOn.apply(k, ring), _PassOn.apply(v, ring)
-        k_pos = positions[(ring.rank - step) % ring.size].to(q.device)
-        visible = k_pos[None, :] <= q_pos[:, None]  # [Tq, Tk]
-        if not bool(visible.any()):
-            continue
-        scores = (q @ k.transpose(-2, -1)) * scale
-        scores = scores.masked_fill(~visible, float("-inf"))
-        block_lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # -inf: a row sees none
-        seen = torch.isfinite(block_lse)
-        weights = torch.exp(scores - torch.where(seen, block_lse, torch.zeros_like(block_lse)))
-        block = weights @ v
-        if out is None or lse is None:  # step 0: every query sees itself, so lse is finite
-            out, lse = block, block_lse
-            continue
-        merged = torch.logaddexp(lse, block_lse)
-        old_share = torch.exp(lse - merged)
-        new_share = torch.where(seen, torch.exp(block_lse - merged), torch.zeros_like(merged))
-        out, lse = out * old_share + block * new_share, merged
-    assert out is not None, "a rank's queries see their own keys"
+    ring rank i's tokens)."""
+    q_pos = positions[ring.rank]
+    visible = [
+        positions[(ring.rank - step) % ring.size][None, :] <= q_pos[:, None]
+        for step in range(ring.size)
+    ]
+    out: torch.Tensor = _RingAttention.apply(q, k, v, ring, visible)
     return out
 
 
