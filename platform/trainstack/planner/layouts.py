@@ -49,11 +49,14 @@ class Layout:
     """pipeline: each stage FSDP-sharded over its d replicas (in `replicate` groups)."""
     expert_parallel: int = 1
     """ddp: ranks that split each MoE block's experts (`strategy.expert_parallel`)."""
+    context_parallel: int = 1
+    """fsdp: ranks that split every row's tokens (`strategy.context_parallel`); FSDP shards
+    over them too."""
 
     @property
     def data_parallel(self) -> int:
-        """Ranks that see different samples: N / (t × p)."""
-        return self.devices // (self.tensor_parallel * self.stages)
+        """Ranks that see different samples: N / (t × p × c)."""
+        return self.devices // (self.tensor_parallel * self.stages * self.context_parallel)
 
     @property
     def shard(self) -> int:
@@ -75,6 +78,8 @@ class Layout:
             return f"zero-{self.stage}" + (f" + offload {' + '.join(offload)}" if offload else "")
         if self.kind == "fsdp":
             parts = [f"tp {t}"] if t > 1 else []
+            if self.context_parallel > 1:
+                parts.append(f"cp {self.context_parallel}")
             if self.replicate > 1:
                 parts.append(f"hsdp {self.replicate} × {self.shard}")
             elif self.shard > 1:
@@ -99,7 +104,8 @@ class Layout:
         """How much machinery it takes, to break ties between equally fast layouts:
         DDP 0, ZeRO by stage, fsdp 3, pipelines 5; offload and tensor parallel add 2."""
         base = {"ddp": 0, "zero": self.stage, "fsdp": 3, "pipeline": 5}[self.kind]
-        extra = 2 * (self.offload_optimizer + self.offload_param + (self.tensor_parallel > 1))
+        split = (self.tensor_parallel > 1) + (self.context_parallel > 1)
+        extra = 2 * (self.offload_optimizer + self.offload_param + split)
         return base + extra + (self.expert_parallel > 1)
 
     def spec_keys(self) -> dict[str, Any]:
@@ -127,6 +133,8 @@ class Layout:
                 keys["strategy.data_parallel_replicate"] = self.replicate
         if self.tensor_parallel > 1:
             keys["strategy.tensor_parallel"] = self.tensor_parallel
+        if self.context_parallel > 1:
+            keys["strategy.context_parallel"] = self.context_parallel
         if self.expert_parallel > 1:
             keys["strategy.expert_parallel"] = self.expert_parallel
         return keys
@@ -161,6 +169,7 @@ def fsdp_layout(cfg: JobConfig) -> Layout:
         reshard_after_forward=s.reshard_after_forward,
         tensor_parallel=s.tensor_parallel,
         replicate=s.data_parallel_replicate,
+        context_parallel=s.context_parallel,
     )
 
 
@@ -201,6 +210,9 @@ def candidate_layouts(
         return layouts
     splits = [t for t in DEGREES if n % t == 0 and shape.heads % t == 0 and shape.hidden % t == 0]
     layouts += [Layout(kind="fsdp", devices=n, tensor_parallel=t) for t in splits]
+    if shape.family == "gpt":  # the spec's checks keep the rows it cannot run
+        contexts = (c for c in DEGREES if n % c == 0 and shape.seq % (2 * c) == 0)
+        layouts += [Layout(kind="fsdp", devices=n, context_parallel=c) for c in contexts]
     for p in (p for p in DEGREES if n % p == 0 and shape.layers % p == 0):
         for t in (t for t in (1, *splits) if n % (p * t) == 0):
             layouts.append(Layout(kind="pipeline", devices=n, stages=p, tensor_parallel=t))

@@ -24,6 +24,7 @@ recommendation is the fastest row that fits; equal times go to the simpler layou
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -236,10 +237,14 @@ def _activations(
 ) -> float | None:
     """trainstack's GPT and a Hugging Face Llama by their own expressions (what
     `SavedActivationMeter` reads on them); other Hugging Face families by the paper's
-    tensor-parallel formula with fused attention."""
+    tensor-parallel formula with fused attention. Under context parallelism a rank holds
+    1/c of every row's tokens and its ring keeps what fused attention keeps: the same
+    expressions for a sequence of s / c."""
     shape = w.shape
     if shape is None:
         return None
+    if layout.context_parallel > 1:
+        shape = dataclasses.replace(shape, seq=shape.seq // layout.context_parallel)
     if shape.family not in ("gpt", "llama"):
         dtype = ActivationDtype(
             element_bytes=w.element_bytes, mask_bytes=int(w.dropout), attention_scores=False
@@ -289,7 +294,7 @@ def _precision(w: Workload, layout: Layout) -> Precision:
         return FP64
     if w.element_bytes == FP32_BYTES:
         return FP32
-    sharded_by_fsdp = layout.kind == "fsdp" and layout.data_parallel > 1
+    sharded_by_fsdp = layout.kind == "fsdp" and layout.data_parallel * layout.context_parallel > 1
     return BF16_WEIGHTS if layout.kind == "zero" or sharded_by_fsdp else AUTOCAST_BF16
 
 
@@ -318,7 +323,37 @@ def _activation_comm(
             element_bytes=w.element_bytes,
             tensor_parallel=layout.tensor_parallel,
         )
+    if layout.context_parallel > 1:
+        sent += ring_attention_bytes(
+            layers=w.shape.layers,
+            tokens=m * tokens,
+            hidden=w.shape.hidden,
+            context_parallel=layout.context_parallel,
+            element_bytes=w.element_bytes,
+            recompute=recompute,
+        )
     return sent
+
+
+def ring_attention_bytes(
+    *,
+    layers: int,
+    tokens: int,
+    hidden: int,
+    context_parallel: int,
+    element_bytes: int,
+    recompute: bool,
+) -> int:
+    """Bytes a rank sends per step in context parallelism's rings
+    (`strategies/context_parallel.py`), for `tokens` tokens of the rows its group
+    shares: in each layer's forward its keys and values go round c - 1 times; in the
+    backward keys, values and their gradients c - 1 times and the gradients once more
+    (and with recomputation the forward's ring again). Each piece is its 1/c of the
+    tokens × the width: e·sbh/c · (6c - 4), + 2(c - 1) recomputing."""
+    c = context_parallel
+    piece = element_bytes * tokens * hidden // c
+    passes = 2 * (c - 1) + 4 * (c - 1) + 2 + (2 * (c - 1) if recompute else 0)
+    return layers * passes * piece
 
 
 def _host_bytes(w: Workload, layout: Layout, *, accumulation: int) -> int:
