@@ -87,3 +87,29 @@ def test_auto_with_lora_counts_the_adapters_alone_and_keeps_ddp(tmp_path: Path) 
     chosen, why = resolve_auto(cfg)
     assert chosen.strategy.kind == "ddp" and chosen.model.lora.rank == 4
     assert why.startswith("strategy.kind=auto chose ddp 2") and "(ddp would need" not in why
+
+
+def test_a_sequence_one_rank_cannot_hold_is_refused_for_cp1_and_accepted_for_cp2() -> None:
+    """The demo's GPT at 16,384 tokens a row on 2 workers with 1.18 GB each: under plain
+    fsdp a rank keeps the whole row's activations (about 146 MB beside 1 GiB of framework
+    overhead) and pre-flight refuses it (offering what fits: here recomputing the
+    activations, which the plan models faster than the ring on its link); with
+    `strategy.context_parallel=2` each rank keeps half the row's and it is accepted (the
+    meter agrees with these figures: benchmarks/context_parallel.py)."""
+    sets = [
+        "strategy.kind=fsdp",
+        "scaling.num_workers=2",
+        "scaling.device_memory=1.18GB",
+        "model.block_size=16384",
+        "train.global_batch_size=2",
+        "train.micro_batch_size=1",
+    ]
+    whole = load_config(str(ROOT / "jobs/configs/demo.yaml"), sets)
+    with pytest.raises(ConfigError) as err:
+        check_layout_fits(whole)
+    assert str(err.value).startswith("fsdp 2 needs about ")
+    assert "more than the 1.18 GB each worker has here" in str(err.value)
+    split = load_config(
+        str(ROOT / "jobs/configs/demo.yaml"), [*sets, "strategy.context_parallel=2"]
+    )
+    check_layout_fits(split)

@@ -217,7 +217,9 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 NAME_MAX_CHARS = 100
 
 
-MAX_BLOCK_SIZE = 8192
+MAX_BLOCK_SIZE = 131072
+"""The longest row a spec may ask for (128k tokens): context parallelism makes rows of
+tens of thousands of tokens trainable (`strategy.context_parallel`)."""
 
 
 MAX_VOCAB_SIZE = 2**22
