@@ -116,9 +116,8 @@ def main() -> None:
     rows = [measure(seq, cp, repeats=args.repeats) for seq in args.seq for cp in args.cp]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=2))
-    print(
-        f"{'seq':>6} {'cp':>3} {'measured':>11} {'planned':>11} {'planned/measured':>17} {'step':>9}"
-    )
+    header = ("seq", 6), ("cp", 3), ("measured", 11), ("planned", 11), ("planned/measured", 17)
+    print(" ".join(f"{name:>{width}}" for name, width in header), f"{'step':>9}")
     for r in rows:
         print(
             f"{r['seq']:>6} {r['cp']:>3} {r['measured'] / 2**20:>9.2f}Mi "
