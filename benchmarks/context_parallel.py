@@ -66,7 +66,8 @@ def worker(rank: int, init_method: str, seq: int, cp: int, repeats: int, out: st
     task = build_task(cfg)
     tokens = torch.randint(VOCAB, (1, seq + 1), generator=torch.Generator().manual_seed(0))
     batch = (tokens[:, :-1], tokens[:, 1:])
-    context = ContextParallel(context_parallel_groups(cp), seq_len=seq) if cp > 1 else None
+    dims = cfg.dims
+    context = ContextParallel(context_parallel_groups(dims), seq_len=seq) if cp > 1 else None
     x, y = context.local(batch) if context else batch
     peak, times = 0, []
     for _ in range(repeats):

@@ -1,9 +1,9 @@
 """Context parallelism (`strategy.context_parallel`, under fsdp): every row's tokens split
 over the ranks, attention a ring (`strategies/context_parallel.py`). In float64 on gloo
 processes: each token's loss computed on a rank holding its share of the row equals the
-loss computed on the whole row; cp 2 and cp 2 × fsdp 2 train what one process trains
-(the latter killed once and resumed); a checkpoint written under cp 2 resumes under DDP
-with its Adam state."""
+loss computed on the whole row; cp 2, cp 2 × fsdp 2 (killed once and resumed) and cp 2 ×
+tensor parallel 2 train what one process trains; a checkpoint written under cp 2 resumes
+under DDP with its Adam state."""
 
 from __future__ import annotations
 
@@ -141,6 +141,20 @@ def test_cp2_x_fsdp2_killed_and_resumed_trains_what_one_process_trains(
     weights = torch.load(tmp_path / "model.pt", weights_only=True)
     diff = max_difference(weights, reference)
     print(f"max |cp 2 x fsdp 2 - one process| = {diff:.3g}")
+    assert diff < FP64_BOUND
+
+
+def test_cp2_x_tensor_parallel_2_trains_what_one_process_trains(
+    tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    """Each tensor-parallel rank's heads go round the ring of the same tp rank of each
+    context-parallel rank; the sequence-parallel norms split the rank's own tokens."""
+    raw = with_context(spec(tmp_path), tmp_path, workers=4)
+    raw["strategy"]["tensor_parallel"] = 2
+    run_processes(config_from_dict(raw), world_size=4, out_dir=tmp_path)
+    weights = torch.load(tmp_path / "model.pt", weights_only=True)
+    diff = max_difference(weights, reference)
+    print(f"max |cp 2 x tp 2 - one process| = {diff:.3g}")
     assert diff < FP64_BOUND
 
 

@@ -38,6 +38,20 @@ def test_the_grid_puts_the_context_parallel_ranks_next_to_each_other() -> None:
     assert config_from_dict(job()).data_parallel_size == 2  # the cp ranks share samples
 
 
+def test_with_tensor_parallelism_a_context_group_is_the_same_tp_rank_of_each() -> None:
+    """cp 2 × tp 2 on 4 ranks: tp innermost, so the context-parallel groups are {0, 2}
+    and {1, 3}, and the FSDP mesh is the 2 × 2 grid of (dp_shard × cp, tp)."""
+    dims = config_from_dict(job(tensor_parallel=2)).dims
+    assert (dims.dp_shard, dims.cp, dims.tp) == (1, 2, 2)
+    groups = {
+        (c.dp, c.tp): [
+            r for r in range(4) if (dims.coords(r).dp, dims.coords(r).tp) == (c.dp, c.tp)
+        ]
+        for c in map(dims.coords, range(4))
+    }
+    assert sorted(groups.values()) == [[0, 2], [1, 3]]
+
+
 def changed(raw: dict[str, Any], section: str, **values: Any) -> dict[str, Any]:
     return {**raw, section: {**raw.get(section, {}), **values}}
 
@@ -60,8 +74,8 @@ def changed(raw: dict[str, Any], section: str, **values: Any) -> dict[str, Any]:
             "strategy.context_parallel × strategy.tensor_parallel = 1 × 2 × 1 = 2",
         ),
         (
-            changed(job(tensor_parallel=2), "scaling", num_workers=4),
-            "strategy.context_parallel=2 with strategy.tensor_parallel set: context "
+            changed(job(data_parallel_replicate=2), "scaling", num_workers=4),
+            "strategy.context_parallel=2 with strategy.data_parallel_replicate set: context "
             "parallelism does not combine with it yet",
         ),
         (

@@ -140,7 +140,6 @@ def _validate_context_parallel(cfg: JobConfig) -> None:
             f"{2 * c} (each rank holds an early and a late chunk of every row)"
         )
     unsupported = {
-        "strategy.tensor_parallel": s.tensor_parallel > 1,
         "strategy.data_parallel_replicate": s.data_parallel_replicate > 1,
         "model.dropout": m.dropout > 0,
         "model.moe": m.moe.experts > 0,
@@ -153,7 +152,7 @@ def _validate_context_parallel(cfg: JobConfig) -> None:
         if on:
             raise ConfigError(
                 f"{where} with {key} set: context parallelism does not combine with it yet; "
-                "allowed: fsdp (data-parallel sharding alone) with an indexed source, the lm "
+                "allowed: fsdp (sharded, tensor parallel too) with an indexed source, the lm "
                 "task and a dense GPT without dropout, or context_parallel=1"
             )
 

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from trainstack.data.sharding import Batch
+from trainstack.dims import ParallelDims
 from trainstack.models.sequence_shard import SequenceShard, sequence_shard
 
 
@@ -204,9 +205,16 @@ class ContextParallel:
             yield
 
 
-def context_parallel_groups(size: int) -> dist.ProcessGroup:
-    """This rank's context-parallel group: `size` consecutive ranks (cp is the grid's
-    innermost dimension under tp = 1). A collective: every rank creates every group."""
-    group, _ = dist.new_subgroups(group_size=size)
-    assert group is not None
+def context_parallel_groups(dims: ParallelDims) -> dist.ProcessGroup:
+    """This rank's context-parallel group: the ranks that differ in their cp coordinate
+    alone (with tensor parallelism, the same tp rank of each). A collective: every rank
+    creates every group, in the same order."""
+    groups = [
+        [dims.rank(pp=pp, dp=dp, cp=cp, tp=tp) for cp in range(dims.cp)]
+        for pp in range(dims.pp)
+        for dp in range(dims.dp)
+        for tp in range(dims.tp)
+    ]
+    group, _ = dist.new_subgroups_by_enumeration(groups)
+    assert group is not None, "every rank is in one group"
     return group

@@ -107,7 +107,7 @@ class FSDPStrategy:
             self._tp_local_numel = sum(local_part(p).numel() for p in model.parameters())
             if self.layout.cp > 1:
                 self.context = ContextParallel(
-                    context_parallel_groups(self.layout.cp), seq_len=self.cfg.model.block_size
+                    context_parallel_groups(self.layout), seq_len=self.cfg.model.block_size
                 )
             apply_compile(self.cfg, model)  # torchtitan's order: TP, (AC,) compile, FSDP
             if self._sharded_ranks() > 1:

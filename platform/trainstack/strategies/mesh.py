@@ -46,10 +46,13 @@ def build_mesh(dims: ParallelDims, *, device_type: str) -> DeviceMesh:
 
 def build_meshes(dims: ParallelDims, *, device_type: str) -> Meshes:
     """The sub-meshes an fsdp layout uses (a collective: every rank runs it). Under
-    context parallelism (tp and r 1: the spec's checks) FSDP shards over every rank, the
-    data- and context-parallel ones alike, and its group adds up their sums."""
+    context parallelism FSDP shards over the data- and context-parallel ranks alike (cp
+    sits just inside dp_shard, so together they are one dimension of the same ranks),
+    and its group adds up their sums."""
     if dims.cp > 1:
-        dims = ParallelDims(dp_shard=dims.dp_shard * dims.cp)
+        dims = ParallelDims(
+            dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard * dims.cp, tp=dims.tp
+        )
     mesh = build_mesh(dims, device_type=device_type)
     if dims.dp_replicate > 1:
         fsdp = mesh["dp_replicate", "dp_shard"]
