@@ -24,6 +24,7 @@ from trainstack.runtime.gloo_processes import rendezvous, run_processes, start_p
 from trainstack.strategies.context_parallel import ContextParallel
 
 from bounds import FP64_BOUND, assert_trained, max_difference, one_process
+from chat_data import make_tokenizer, sums, write_jsonl
 
 STEPS = 10
 BLOCK = 16
@@ -103,6 +104,80 @@ def test_each_tokens_loss_on_its_share_of_the_row_is_its_loss_on_the_whole_row(
         assert not torch.allclose(h["split"][:, 4:], h["whole"][:, 4:8], atol=1e-3)
 
 
+DOCUMENTS = (5, 9, 3, 7, 8)
+"""Lengths of the documents packed into one row of BLOCK + 16 = 32 positions (with 0
+of padding): the chunks cut documents apart, and a document spans ranks."""
+
+
+def packed_per_token_losses(rank: int, init_method: str, out_dir: str) -> None:
+    """Rank `rank` of 2: the per-token cross-entropy of its share of 2 packed rows under
+    the ring, the same rows unsplit (packed, one process's forward), and each document
+    alone, unpacked."""
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
+    try:
+        raw = spec(Path(out_dir))
+        raw["model"]["block_size"] = 32
+        cfg = config_from_dict(raw)
+        model = build_model(cfg.model, vocab_size=16, seed=0).double()
+        g = torch.Generator().manual_seed(1)
+        rows = []
+        for shift in (0, 1):  # the second row's documents in another order
+            lengths = DOCUMENTS[shift:] + DOCUMENTS[:shift]
+            tokens = torch.randint(16, (32,), generator=g)
+            positions = torch.cat([torch.arange(n) for n in lengths])
+            rows.append((tokens, positions, lengths))
+        x = torch.stack([torch.stack([t, p]) for t, p, _ in rows])  # [2, 2, 32]
+        y = torch.randint(16, (2, 32), generator=g)
+        context = ContextParallel(dist.new_group([0, 1]), seq_len=32)
+        local_x, local_y = context.local((x, y))
+        with context.shard(torch.device("cpu")):
+            logits = model(local_x)
+            split = F.cross_entropy(logits.flatten(0, 1), local_y.flatten(), reduction="none")
+            split.sum().backward()
+        packed = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="none")
+        one_document = torch.cat([x, torch.zeros_like(x[:, :1])], dim=1)  # ids all 0: leaky
+        leaky = F.cross_entropy(model(one_document).flatten(0, 1), y.flatten(), reduction="none")
+        alone = torch.zeros(2, 32, dtype=torch.float64)
+        for r, (tokens, _, lengths) in enumerate(rows):
+            at = 0
+            for n in lengths:
+                doc = model(tokens[None, at : at + n])
+                alone[r, at : at + n] = F.cross_entropy(doc[0], y[r, at : at + n], reduction="none")
+                at += n
+        torch.save(
+            {
+                "positions": context.positions[rank],
+                "split": split.detach().view(2, -1),
+                "packed": packed.detach().view(2, 32),
+                "leaky": leaky.detach().view(2, 32),
+                "alone": alone.detach(),
+            },
+            Path(out_dir) / f"packed{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_packed_documents_split_over_ranks_have_the_losses_they_have_alone(
+    tmp_path: Path,
+) -> None:
+    """Packed rows (token and position ids restarting at each document) under cp 2: each
+    token attends only within its document, across the ranks its document spans, and
+    its loss is the document's computed alone, unpacked; so is the packed rows' on one
+    process."""
+    start_processes(packed_per_token_losses, args=(rendezvous(tmp_path), str(tmp_path)), nprocs=2)
+    held = [torch.load(tmp_path / f"packed{r}.pt") for r in range(2)]
+    alone = held[0]["alone"]
+    assert torch.allclose(held[0]["packed"], alone, rtol=0, atol=1e-12)
+    for h in held:
+        assert torch.allclose(h["split"], alone[:, h["positions"]], rtol=0, atol=1e-12)
+    # attending across documents (the same rows given one document id) changes every
+    # document's losses but the first's
+    leaky = held[0]["leaky"]
+    assert torch.allclose(leaky[0, :5], alone[0, :5], rtol=0, atol=1e-12)
+    assert (leaky[0, 5:] - alone[0, 5:]).abs().max() > 1e-3
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     out = tmp_path_factory.mktemp("cp-reference")
@@ -173,3 +248,38 @@ def test_a_cp2_checkpoint_resumes_under_ddp_with_its_adam_state(
     assert summary["resumed_from_step"] == 5
     weights = torch.load(tmp_path / "model.pt", weights_only=True)
     assert max_difference(weights, reference) < FP64_BOUND
+
+
+def test_packed_chat_rows_under_cp2_train_what_one_process_trains(tmp_path: Path) -> None:
+    """Packed chat rows, whose unscored prompt tokens fall unevenly on the two ranks: each
+    rank weighs its mean loss by its share of the row's scored tokens, so the gradient is
+    one process's mean over them."""
+    raw = {
+        "name": "cp-chat",
+        "model": {"kind": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 64},
+        "data": {
+            "kind": "chat",
+            "train": [str(write_jsonl(tmp_path / "chat.jsonl", sums(40)))],
+            "tokenizer": str(make_tokenizer(tmp_path / "tok")),
+            "vocab_size": 32,
+            "eval_samples": 2,
+            "val_fraction": 0.2,
+            "pack": True,
+        },
+        "train": {"steps": 6, "global_batch_size": 4, "micro_batch_size": 2, "precision": "fp64"},
+        "optim": {"lr": 1e-2, "warmup_steps": 2},
+        "checkpoint": {"storage_path": str(tmp_path / "runs")},
+        "log": {"every_steps": 3},
+    }
+    reference = one_process(raw, tmp_path / "one")
+    summary = run_processes(
+        config_from_dict(with_context(raw, tmp_path / "cp2", workers=2)),
+        world_size=2,
+        out_dir=tmp_path / "cp2",
+    )
+    weights = torch.load(tmp_path / "cp2" / "model.pt", weights_only=True)
+    diff = max_difference(weights, reference)
+    print(f"max |packed chat, cp 2 - one process| = {diff:.3g}")
+    assert diff < FP64_BOUND
+    expected = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert summary["eval_loss"] == pytest.approx(expected["eval_loss"], abs=1e-12)

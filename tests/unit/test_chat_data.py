@@ -314,7 +314,12 @@ def test_packing_keeps_a_truncated_conversation_whole_in_a_row_of_its_own(tmp_pa
     ("changes", "wanted"),
     [
         ({"data.kind": "markov"}, "data.pack=true packs conversations: it is for data.kind chat"),
-        ({"model.kind": "gpt", "model.hf": {}}, "it is for model.kind hf; got gpt"),
+        ({"model.kind": "mlp", "model.hf": {}}, "it is for model.kind hf or gpt; got mlp"),
+        (
+            {"model.kind": "gpt", "model.hf": {}, "model.activation_checkpointing": True},
+            "gives trainstack's GPT documents to keep apart in its forward, which activation "
+            "checkpointing's recompute",
+        ),
         (
             {"strategy.kind": "pipeline", "strategy.engine": "deepspeed"},
             "only the torch engine passes on; got strategy.engine=deepspeed, allowed: torch",

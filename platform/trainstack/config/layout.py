@@ -144,6 +144,7 @@ def _validate_context_parallel(cfg: JobConfig) -> None:
         "model.dropout": m.dropout > 0,
         "model.moe": m.moe.experts > 0,
         "model.lora": m.lora.rank > 0,
+        "model.fused_loss": m.fused_loss,
         "train.compile": cfg.train.compile,
         f"task.kind={cfg.task.kind}": cfg.task.kind != "lm",
         f"data.kind={cfg.data.kind}": data_kind_of(cfg).streams,

@@ -19,6 +19,7 @@ logits and the blocks' weighted balance loss, which the task adds to the trainin
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -29,7 +30,12 @@ from torch import nn
 from trainstack.config import ModelConfig
 from trainstack.models.linear_ce import LMHead
 from trainstack.models.moe import MoE, MoEOutput, total_aux_loss
-from trainstack.models.sequence_shard import current_shard
+from trainstack.models.sequence_shard import (
+    current_documents,
+    current_shard,
+    document_ids,
+    packed_documents,
+)
 
 
 class CausalSelfAttention(nn.Module):
@@ -58,11 +64,15 @@ class CausalSelfAttention(nn.Module):
             proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
             for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
-        shard = current_shard()
+        shard, documents = current_shard(), current_documents()
+        dropout_p = self.dropout if self.training else 0.0
         if shard is not None:  # context parallel: this rank's queries over every key
-            y = shard.attend(q, k, v)
+            y = shard.attend(q, k, v, documents)
+        elif documents is not None:  # packed rows: each token within its own document
+            same = documents[:, None, :, None] == documents[:, None, None, :]
+            mask = same & torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         else:
-            dropout_p = self.dropout if self.training else 0.0
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.resid_drop(self.c_proj(y))
@@ -103,6 +113,9 @@ class GPTEmbedding(nn.Module):
         self.tok_emb, self.pos_emb, self.drop = tok_emb, pos_emb, drop
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if idx.ndim == 3:  # packed rows: token ids, then each token's place in its document
+            idx, pos = idx[:, 0], idx[:, 1]
+            return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         seq_len = idx.shape[1]
         assert seq_len <= self.pos_emb.num_embeddings, f"{seq_len} tokens > block_size"
         shard = current_shard()  # context parallel: this rank's tokens' own positions
@@ -162,11 +175,18 @@ class GPT(nn.Module):
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
     ) -> torch.Tensor | MoEOutput | LMLoss:
         """Logits `[B, T, V]` (with the MoE blocks' aux loss: `MoEOutput`); given the
-        targets, the loss itself (`LMLoss`), the logits never made whole."""
+        targets, the loss itself (`LMLoss`), the logits never made whole. `idx` is token
+        ids [B, T], or packed rows [B, 2, T] (token ids and position ids restarting at
+        each document: each token attends within its document), under context
+        parallelism [B, 3, T_local] with the rows' document ids third."""
         *layers, head = self.pipeline_layers()
         x = idx
-        for layer in layers:
-            x = layer(x)
+        with contextlib.ExitStack() as stack:
+            if idx.ndim == 3:  # packed rows [B, 2 or 3, T]: the third row, documents' ids
+                ids = idx[:, 2] if idx.shape[1] > 2 else document_ids(idx[:, 1])
+                stack.enter_context(packed_documents(ids))
+            for layer in layers:
+                x = layer(x)
         out = head(x, targets)
         aux = total_aux_loss(self) if self.cfg.moe.experts else None
         if targets is not None:

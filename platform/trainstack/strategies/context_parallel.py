@@ -44,9 +44,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainstack.data.sharding import Batch
+from trainstack.data.sharding import IGNORED_TARGET, Batch
 from trainstack.dims import ParallelDims
-from trainstack.models.sequence_shard import SequenceShard, sequence_shard
+from trainstack.models.sequence_shard import SequenceShard, document_ids, sequence_shard
 
 
 def zigzag_positions(seq_len: int, *, size: int, rank: int) -> torch.Tensor:
@@ -94,12 +94,24 @@ def _probabilities(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.exp(scores - lse)  # a masked score: exp(-inf) = 0
 
 
+def _visible(
+    causal: torch.Tensor, q_documents: torch.Tensor | None, k_documents: torch.Tensor | None
+) -> torch.Tensor:
+    """Which keys each query sees: at or before it ([Tq, Tk]), and in packed rows within
+    its own document ([B, 1, Tq, Tk])."""
+    if q_documents is None or k_documents is None:
+        return causal
+    same = q_documents[:, None, :, None] == k_documents[:, None, None, :]
+    return same & causal
+
+
 class _RingAttention(torch.autograd.Function):
     """Forward: each block's scores, made and dropped in turn, merged by log-sum-exp;
     keeps only q, this rank's k and v, the output and the log-sum-exp (what a fused
     attention kernel keeps), so a rank's activations are 1/N of one process's. Backward:
     the blocks again, the keys and values passed round the ring once more with their
-    gradients accumulating beside them, back to the rank that holds them."""
+    gradients accumulating beside them, back to the rank that holds them. Packed rows'
+    document ids travel round with the keys."""
 
     @staticmethod
     def forward(
@@ -107,54 +119,61 @@ class _RingAttention(torch.autograd.Function):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        documents: torch.Tensor | None,
         ring: Ring,
-        visible: list[torch.Tensor],
+        causal: list[torch.Tensor],
     ) -> torch.Tensor:
         scale = 1.0 / math.sqrt(q.shape[-1])
         out = torch.zeros_like(q)
         lse = torch.full((*q.shape[:-1], 1), float("-inf"), dtype=q.dtype, device=q.device)
-        k_j, v_j = k, v
+        k_j, v_j, d_j = k, v, documents
         for step in range(ring.size):
             if step:
-                k_j, v_j = ring.pass_on(k_j, v_j)
-            mask = visible[step]
-            if not bool(mask.any()):
+                k_j, v_j, d_j = _pass_on(ring, k_j, v_j, d_j)
+            if not bool(causal[step].any()):
                 continue
-            scores = _block_scores(q, k_j, mask, scale)
+            scores = _block_scores(q, k_j, _visible(causal[step], documents, d_j), scale)
             block_lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # -inf: row sees none
             merged = torch.logaddexp(lse, block_lse)
             finite = torch.isfinite(merged)
             safe = torch.where(finite, merged, torch.zeros_like(merged))
             out = out * torch.exp(lse - safe) + _probabilities(scores, safe) @ v_j
             lse = torch.where(finite, merged, lse)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.visible, ctx.scale = ring, visible, scale
+        ctx.save_for_backward(q, k, v, out, lse, documents)
+        ctx.ring, ctx.causal, ctx.scale = ring, causal, scale
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, documents = ctx.saved_tensors
         ring: Ring = ctx.ring
         scale: float = ctx.scale
         grad = grad.contiguous()
         delta = (grad * out).sum(dim=-1, keepdim=True)  # rowsum(dO ∘ O)
         dq = torch.zeros_like(q)
-        k_j, v_j = k, v
+        k_j, v_j, d_j = k, v, documents
         dk_j, dv_j = torch.zeros_like(k), torch.zeros_like(v)
         for step in range(ring.size):
             if step:
-                k_j, v_j, dk_j, dv_j = ring.pass_on(k_j, v_j, dk_j, dv_j)
-            mask = ctx.visible[step]
-            if not bool(mask.any()):
+                k_j, v_j, d_j, dk_j, dv_j = _pass_on(ring, k_j, v_j, d_j, dk_j, dv_j)
+            if not bool(ctx.causal[step].any()):
                 continue
-            p = _probabilities(_block_scores(q, k_j, mask, scale), lse)
+            visible = _visible(ctx.causal[step], documents, d_j)
+            p = _probabilities(_block_scores(q, k_j, visible, scale), lse)
             dv_j = dv_j + p.transpose(-2, -1) @ grad
             ds = p * (grad @ v_j.transpose(-2, -1) - delta)
             dq = dq + (ds @ k_j) * scale
             dk_j = dk_j + (ds.transpose(-2, -1) @ q) * scale
         if ring.size > 1:  # the gradients of the keys and values held one rank back
             dk_j, dv_j = ring.pass_on(dk_j, dv_j)
-        return dq, dk_j, dv_j, None, None
+        return dq, dk_j, dv_j, None, None, None
+
+
+def _pass_on(ring: Ring, *tensors: torch.Tensor | None) -> list[Any]:
+    """`Ring.pass_on` of the tensors given (None stays None: rows that are not packed)."""
+    sent = [t for t in tensors if t is not None]
+    received = iter(ring.pass_on(*sent))
+    return [next(received) if t is not None else None for t in tensors]
 
 
 def ring_attention(
@@ -164,16 +183,18 @@ def ring_attention(
     *,
     ring: Ring,
     positions: list[torch.Tensor],
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal softmax attention of this rank's queries [B, H, Tq, D] over the keys and
     values of every rank of `ring` (each [B, H, Tk, D], `positions[i]` the global places of
-    ring rank i's tokens)."""
+    ring rank i's tokens); packed rows keep each query to its own document (`documents`
+    [B, Tq], this rank's tokens' document ids)."""
     q_pos = positions[ring.rank]
-    visible = [
+    causal = [
         positions[(ring.rank - step) % ring.size][None, :] <= q_pos[:, None]
         for step in range(ring.size)
     ]
-    out: torch.Tensor = _RingAttention.apply(q, k, v, ring, visible)
+    out: torch.Tensor = _RingAttention.apply(q, k, v, documents, ring, causal)
     return out
 
 
@@ -188,18 +209,34 @@ class ContextParallel:
         ]
 
     def local(self, batch: Batch) -> Batch:
-        """The batch's columns this rank holds (inputs and targets [B, T] -> [B, 2T/2N])."""
+        """The batch's columns this rank holds (inputs and targets [B, T] -> [B, 2T/2N]).
+        Packed rows' inputs [B, 2, T] (token and position ids) come with a third row, each
+        token's document id in its whole row ([B, 3, 2T/2N]), for the ring's masks."""
         mine = self.positions[self.ring.rank]
         x, y = batch
-        return x.index_select(1, mine.to(x.device)), y.index_select(1, mine.to(y.device))
+        if x.ndim == 3:
+            x = torch.cat([x, document_ids(x[:, 1])[:, None]], dim=1)
+        return x.index_select(-1, mine.to(x.device)), y.index_select(1, mine.to(y.device))
+
+    def local_with_share(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """`local(batch)`, and what this rank's mean loss is weighted by so that FSDP's
+        average over the group's ranks is the micro-batch's mean over its scored tokens:
+        N × this rank's scored targets / the whole row's (1 where every target is scored;
+        a packed chat row's unscored prompts fall unevenly on the ranks)."""
+        x, y = self.local(batch)
+        scored = int((batch[1] != IGNORED_TARGET).sum())
+        mine = int((y != IGNORED_TARGET).sum())
+        return x, y, self.ring.size * mine / scored if scored else 0.0
 
     @contextlib.contextmanager
     def shard(self, device: torch.device) -> Iterator[None]:
         """The model computes this rank's share of the sequence inside."""
         positions = [p.to(device) for p in self.positions]
 
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return ring_attention(q, k, v, ring=self.ring, positions=positions)
+        def attend(
+            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None
+        ) -> torch.Tensor:
+            return ring_attention(q, k, v, ring=self.ring, positions=positions, documents=documents)
 
         with sequence_shard(SequenceShard(positions=positions[self.ring.rank], attend=attend)):
             yield

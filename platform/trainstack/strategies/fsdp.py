@@ -210,8 +210,9 @@ class FSDPStrategy:
         accum = len(micro_batches)
         total = torch.zeros((), device=self.ctx.device)
         for i, (x, y) in enumerate(micro_batches):
+            share = 1.0
             if self.context is not None:
-                x, y = self.context.local((x, y))
+                x, y, share = self.context.local_with_share((x, y))
             x, y = to_device(
                 (x, y),
                 self.ctx.device,
@@ -221,7 +222,11 @@ class FSDPStrategy:
             if isinstance(self.model, FSDPModule):  # reduce gradients after the last only
                 self.model.set_requires_gradient_sync(i == accum - 1)
             with self._compute_context():
-                loss = self.task.loss(self.task.outputs(self.model, x, y), y, inputs=x)
+                outputs = self.task.outputs(self.model, x, y)
+                if share == 0:  # none of its tokens scored: no loss, no gradient of its own
+                    loss = self.task.logits(outputs, y).sum() * 0.0
+                else:
+                    loss = self.task.loss(outputs, y, inputs=x) * share
                 (loss / accum).backward()
             self._peak_grad_bytes = max(self._peak_grad_bytes, self._held_grad_bytes())
             total += local_part(loss.detach())

@@ -140,14 +140,27 @@ def validate_pack(cfg: JobConfig) -> None:
     """`data.pack` hands the model position ids beside the tokens, which a Hugging Face
     family's own forward takes, and so do its pipeline layers (llama, gpt2, and every
     family under a pipeline: they pass them from stage to stage and give each decoder
-    layer its packed-sequence mask). DeepSpeed's pipeline engine is not given them."""
+    layer its packed-sequence mask). DeepSpeed's pipeline engine is not given them.
+    trainstack's GPT takes them in its own forward (each token attends within its
+    document), and under context parallelism its ring does."""
     if not cfg.data.pack:
         return
     why = None
     if cfg.data.kind not in ("chat", "preference"):
         why = f"packs conversations: it is for data.kind chat or preference; got {cfg.data.kind}"
-    elif cfg.model.kind != "hf":
-        why = f"gives the model position ids: it is for model.kind hf; got {cfg.model.kind}"
+    elif cfg.model.kind not in ("hf", "gpt"):
+        why = f"gives the model position ids: it is for model.kind hf or gpt; got {cfg.model.kind}"
+    elif cfg.model.kind == "gpt" and (
+        cfg.model.activation_checkpointing
+        or kind_of(cfg).ranks == "pipeline"
+        or cfg.strategy.tensor_parallel > 1
+    ):
+        why = (
+            "gives trainstack's GPT documents to keep apart in its forward, which "
+            "activation checkpointing's recompute, a pipeline's stages and tensor "
+            "parallelism's position split do not carry yet; allowed: model.kind gpt under "
+            "ddp, zero or fsdp (context parallel too) without them"
+        )
     elif kind_of(cfg).ranks == "pipeline" and cfg.strategy.engine != "torch":
         why = (
             "hands the pipeline's stages position ids, which only the torch engine passes "
