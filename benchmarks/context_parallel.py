@@ -8,6 +8,7 @@ included), and the median wall time of that forward and backward. Planned: the f
 expressions at a sequence of s / c).
 
     python benchmarks/context_parallel.py --seq 256 512 1024 2048
+    python benchmarks/context_parallel.py --model demo --seq 16384 --cp 1 2 --repeats 1
 """
 
 from __future__ import annotations
@@ -34,13 +35,19 @@ from trainstack.strategies.pipeline_probe import SavedActivationMeter
 from trainstack.tasks import build_task
 
 ROOT = Path(__file__).resolve().parents[1]
-VOCAB = 256
+MODELS = {
+    "small": ({"n_layer": 2, "n_head": 4, "n_embd": 128}, 256),
+    "demo": ({"n_layer": 2, "n_head": 2, "n_embd": 64}, 32),  # jobs/configs/demo.yaml's
+}
+"""`--model`: the GPT's sizes and vocabulary."""
+MODEL = {"name": "small"}
 
 
 def spec(seq: int, cp: int) -> dict[str, Any]:
+    sizes, vocab = MODELS[MODEL["name"]]
     return {
-        "model": {"kind": "gpt", "n_layer": 2, "n_head": 4, "n_embd": 128, "block_size": seq},
-        "data": {"vocab_size": VOCAB},
+        "model": {"kind": "gpt", **sizes, "block_size": seq},
+        "data": {"vocab_size": vocab},
         "train": {"global_batch_size": 1, "micro_batch_size": 1},
         "strategy": {"kind": "fsdp", "context_parallel": cp} if cp > 1 else {"kind": "fsdp"},
         "scaling": {"num_workers": cp, "device_memory": "80GB"},
@@ -57,14 +64,18 @@ def planned_activations(seq: int, cp: int) -> float:
     return figure.activations
 
 
-def worker(rank: int, init_method: str, seq: int, cp: int, repeats: int, out: str) -> None:
+def worker(
+    rank: int, init_method: str, seq: int, cp: int, repeats: int, out: str, model_name: str
+) -> None:
+    MODEL["name"] = model_name
     if cp > 1:
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=cp)
     torch.set_num_threads(1)
     cfg = config_from_dict(spec(seq, cp))
-    model = build_model(cfg.model, vocab_size=VOCAB, seed=0)
+    vocab = cfg.data.vocab_size
+    model = build_model(cfg.model, vocab_size=vocab, seed=0)
     task = build_task(cfg)
-    tokens = torch.randint(VOCAB, (1, seq + 1), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(vocab, (1, seq + 1), generator=torch.Generator().manual_seed(0))
     batch = (tokens[:, :-1], tokens[:, 1:])
     dims = cfg.dims
     context = ContextParallel(context_parallel_groups(dims), seq_len=seq) if cp > 1 else None
@@ -100,7 +111,7 @@ class _nothing:
 def measure(seq: int, cp: int, *, repeats: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="trainstack-cp-") as folder:
         out = Path(folder) / "rank0.json"
-        args = (rendezvous(Path(folder)), seq, cp, repeats, str(out))
+        args = (rendezvous(Path(folder)), seq, cp, repeats, str(out), MODEL["name"])
         start_processes(worker, args=args, nprocs=cp)
         record: dict[str, Any] = json.loads(out.read_text())
     record["planned"] = planned_activations(seq, cp)
@@ -112,8 +123,10 @@ def main() -> None:
     parser.add_argument("--seq", type=int, nargs="+", default=[256, 512, 1024, 2048])
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", choices=sorted(MODELS), default="small")
     parser.add_argument("--out", default=str(ROOT / ".cache/bench/context_parallel.json"))
     args = parser.parse_args()
+    MODEL["name"] = args.model
     rows = [measure(seq, cp, repeats=args.repeats) for seq in args.seq for cp in args.cp]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=2))
