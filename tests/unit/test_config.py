@@ -198,7 +198,7 @@ def test_lenient_scalar_coercion() -> None:
         ({"strategy": {"bucket_cap_mb": float("inf")}}, "strategy.bucket_cap_mb=inf is not a"),
         ({"optim": {"betas": [0.9, 1.0]}}, "optim.betas[1]=1.0 is out of range; allowed: [0, 1)"),
         ({"data": {"vocab_size": 1}}, "data.vocab_size=1 is out of range; allowed: 2 to 4194304"),
-        ({"model": {"block_size": 9000}}, "model.block_size=9000 is out of range"),
+        ({"model": {"block_size": 140000}}, "model.block_size=140000 is out of range"),
         ({"failure": {"max_failures": -2}}, "failure.max_failures=-2 is out of range"),
         ({"name": "my job"}, "name='my job' is not a valid run name"),
         ({"name": "a" * 101}, "name='aaaa"),

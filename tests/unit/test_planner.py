@@ -505,8 +505,10 @@ def test_every_candidate_tiles_the_devices() -> None:
     shape = TransformerShape(layers=32, hidden=4096, heads=32, seq=4096)
     layouts = candidate_layouts(8, shape)
     for layout in layouts:
-        assert layout.data_parallel * layout.tensor_parallel * layout.stages == 8
-    assert len({layout.name for layout in layouts}) == len(layouts) == 22
+        split = layout.tensor_parallel * layout.stages * layout.context_parallel
+        assert layout.data_parallel * split == 8
+    assert len({layout.name for layout in layouts}) == len(layouts) == 25
+    assert {layout.context_parallel for layout in layouts} == {1, 2, 4, 8}
 
 
 def test_quantities_take_decimal_and_binary_units() -> None:
