@@ -312,16 +312,23 @@ class PackedChatSamples:
         x = torch.full((len(ids), 2, seq_len), self.pad_id, dtype=torch.int64)
         y = torch.full((len(ids), seq_len), IGNORED_TARGET, dtype=torch.int64)
         for row, i in enumerate(np.asarray(ids).tolist()):
-            at = 0
-            for chat in (self.chats[c] for c in self.rows[i]):
-                tokens, targets = chat.tensors()
-                width = len(targets)
-                x[row, 0, at : at + width] = tokens[:-1]
-                x[row, 1, at : at + width] = torch.arange(width)
-                y[row, at : at + width] = targets
-                at += width
-            x[row, 1, at:] = torch.arange(seq_len - at)  # padding: a sequence of its own
+            fill_packed_row(x[row], y[row], [self.chats[c] for c in self.rows[i]])
         return x, y
+
+
+def fill_packed_row(x: torch.Tensor, y: torch.Tensor, chats: Sequence[Conversation]) -> None:
+    """Write `chats` one after another into a packed row: inputs `x` [2, T] (token ids,
+    position ids restarting at 0 at each conversation and at the padding) and targets
+    `y` [T], both already filled with padding."""
+    at = 0
+    for chat in chats:
+        tokens, targets = chat.tensors()
+        width = len(targets)
+        x[0, at : at + width] = tokens[:-1]
+        x[1, at : at + width] = torch.arange(width)
+        y[at : at + width] = targets
+        at += width
+    x[1, at:] = torch.arange(x.shape[-1] - at)  # padding: a sequence of its own
 
 
 @dataclass(kw_only=True)

@@ -42,6 +42,7 @@ from trainstack.data.chat import (
     ChatCorpus,
     ChatTokenizer,
     Conversation,
+    fill_packed_row,
     fitted,
     read_jsonl,
 )
@@ -166,20 +167,8 @@ class PackedPreferenceSamples:
         y = torch.full((rows, seq_len), IGNORED_TARGET, dtype=torch.int64)
         for n, i in enumerate(np.asarray(ids).tolist()):
             members = [self.pairs[p] for p in self.samples[i]]
-            sides = (
-                (2 * n, [p.chosen for p in members]),
-                (2 * n + 1, [p.rejected for p in members]),
-            )
-            for row, chats in sides:
-                at = 0
-                for chat in chats:
-                    tokens, targets = chat.tensors()
-                    width = len(targets)
-                    x[row, 0, at : at + width] = tokens[:-1]
-                    x[row, 1, at : at + width] = torch.arange(width)
-                    y[row, at : at + width] = targets
-                    at += width
-                x[row, 1, at:] = torch.arange(seq_len - at)  # padding: a sequence of its own
+            fill_packed_row(x[2 * n], y[2 * n], [p.chosen for p in members])
+            fill_packed_row(x[2 * n + 1], y[2 * n + 1], [p.rejected for p in members])
         return x, y
 
 
