@@ -25,6 +25,7 @@ from trainstack.strategies.context_parallel import ContextParallel
 
 from bounds import FP64_BOUND, assert_trained, max_difference, one_process
 from chat_data import make_tokenizer, sums, write_jsonl
+from user_model_specs import HF_WIDTHS
 
 STEPS = 10
 BLOCK = 16
@@ -283,3 +284,29 @@ def test_packed_chat_rows_under_cp2_train_what_one_process_trains(tmp_path: Path
     assert diff < FP64_BOUND
     expected = json.loads((tmp_path / "one" / "summary.json").read_text())
     assert summary["eval_loss"] == pytest.approx(expected["eval_loss"], abs=1e-12)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_a_hugging_face_family_under_cp2_trains_what_one_process_trains(
+    tmp_path: Path, family: str
+) -> None:
+    """Its attention layers call the ring through transformers' attention functions
+    (qwen2 by its own forward, llama by trainstack's pipeline layers), its rotary angles
+    from each token's global position."""
+    raw = {
+        "name": f"cp-{family}",
+        "model": {"kind": "hf", "hf": {"model_type": family, **HF_WIDTHS}, "block_size": 16},
+        "data": {"vocab_size": 16, "order": 2, "eval_samples": 16},
+        "train": {"steps": 6, "global_batch_size": 8, "micro_batch_size": 2, "precision": "fp64"},
+        "optim": {"lr": 1e-2, "warmup_steps": 2},
+        "checkpoint": {"storage_path": str(tmp_path / "runs")},
+        "log": {"every_steps": 3},
+    }
+    reference = one_process(raw, tmp_path / "one")
+    job = with_context(raw, tmp_path / "cp2", workers=2)
+    run_processes(config_from_dict(job), world_size=2, out_dir=tmp_path / "cp2")
+    weights = torch.load(tmp_path / "cp2" / "model.pt", weights_only=True)
+    diff = max_difference(weights, reference)
+    print(f"max |{family}, cp 2 - one process| = {diff:.3g}")
+    assert diff < FP64_BOUND
+    assert_trained(weights, raw)

@@ -83,8 +83,9 @@ def changed(raw: dict[str, Any], section: str, **values: Any) -> dict[str, Any]:
             "strategy.context_parallel=2 with model.dropout set",
         ),
         (
-            changed(job(), "model", kind="hf", hf={"model_type": "llama"}),
-            "strategy.context_parallel=2 runs trainstack's GPT's attention as a ring",
+            changed(job(), "model", kind="hf", hf={"model_type": "mistral"}),
+            "strategy.context_parallel=2 runs attention as a ring over the ranks, for "
+            "trainstack's GPT and the Hugging Face families llama, qwen2, qwen3",
         ),
     ],
 )

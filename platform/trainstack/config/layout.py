@@ -21,6 +21,10 @@ TENSOR_PARALLEL_MODELS: tuple[str, ...] = tuple(
 family's `base_model_tp_plan`, its styles and sizes checked in pre-flight on the built
 model)."""
 MAX_DEGREE = 4096
+CONTEXT_PARALLEL_FAMILIES = ("llama", "qwen2", "qwen3")
+"""Hugging Face families whose every layer attends causally over the whole row (no
+sliding window) through transformers' attention functions, which context parallelism
+replaces by its ring (`strategies/context_parallel.py`)."""
 
 
 def validate_mesh(cfg: JobConfig) -> None:
@@ -128,11 +132,14 @@ def _validate_context_parallel(cfg: JobConfig) -> None:
     if c == 1:
         return
     where = f"strategy.context_parallel={c}"
-    if m.kind != "gpt":
+    families = CONTEXT_PARALLEL_FAMILIES
+    family = m.hf.get("model_type") if isinstance(m.hf, dict) else None
+    if not (m.kind == "gpt" or (m.kind == "hf" and family in families and not m.pretrained)):
+        what = f"model.kind={m.kind}" + (f" (model_type {family})" if m.kind == "hf" else "")
         raise ConfigError(
-            f"{where} runs trainstack's GPT's attention as a ring over the ranks; "
-            f"model.kind={m.kind} computes its own attention (allowed: model.kind gpt, or "
-            "context_parallel=1)"
+            f"{where} runs attention as a ring over the ranks, for trainstack's GPT and the "
+            f"Hugging Face families {', '.join(families)} (model.hf.model_type, not yet from "
+            f"a pretrained folder); {what} is not one of them, or use context_parallel=1"
         )
     if m.block_size % (2 * c):
         raise ConfigError(

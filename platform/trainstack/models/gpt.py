@@ -67,7 +67,7 @@ class CausalSelfAttention(nn.Module):
         shard, documents = current_shard(), current_documents()
         dropout_p = self.dropout if self.training else 0.0
         if shard is not None:  # context parallel: this rank's queries over every key
-            y = shard.attend(q, k, v, documents)
+            y = shard.attend(q, k, v, documents, None)
         elif documents is not None:  # packed rows: each token within its own document
             same = documents[:, None, :, None] == documents[:, None, None, :]
             mask = same & torch.ones(T, T, dtype=torch.bool, device=q.device).tril()

@@ -68,6 +68,7 @@ from trainstack.models.on_meta import (
     saved_misfits,
     tensor_names,
 )
+from trainstack.models.sequence_shard import packed_documents
 
 DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop")
 """The dropout keys a family's config may have (`model.dropout` fills those it has)."""
@@ -154,7 +155,12 @@ class HFCausalLM(nn.Module):
         position ids that restart at 0 at each packed sequence. The family's own forward
         gets the position ids and, seeing them restart, lets each sequence attend only to
         itself (transformers' packed-sequence mask); the pipeline layers (llama, gpt2) hand
-        them from layer to layer and give each block that same mask."""
+        them from layer to layer and give each block that same mask. Under context
+        parallelism the rows come as [B, 3, T_local], the third row each token's document
+        id, which the ring's attention keeps apart (`models/sequence_shard.py`)."""
+        if idx.dim() == 3 and idx.shape[1] == 3:
+            with packed_documents(idx[:, 2]):
+                return self.forward(idx[:, :2].contiguous())
         if self.family not in FAMILIES:
             hf = self.hf
             tokens, positions = split_packed(idx)

@@ -27,10 +27,14 @@ import torch
 class SequenceShard:
     positions: torch.Tensor
     """This rank's tokens' places in the whole sequence, int64 [T_local]."""
-    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    attend: Callable[
+        [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float | None],
+        torch.Tensor,
+    ]
     """Causal attention of this rank's queries over the whole sequence's keys and values:
     (q, k, v [B, heads, T_local, head_dim], this rank's tokens' document ids [B, T_local]
-    in packed rows or None) -> [B, heads, T_local, head_dim]."""
+    in packed rows or None, the scores' scale or None for 1/sqrt(head_dim)) -> [B, heads,
+    T_local, head_dim]."""
 
 
 _CURRENT: ContextVar[SequenceShard | None] = ContextVar("trainstack_sequence_shard", default=None)

@@ -46,7 +46,13 @@ import torch.distributed as dist
 
 from trainstack.data.sharding import IGNORED_TARGET, Batch
 from trainstack.dims import ParallelDims
-from trainstack.models.sequence_shard import SequenceShard, document_ids, sequence_shard
+from trainstack.models.sequence_shard import (
+    SequenceShard,
+    current_documents,
+    current_shard,
+    document_ids,
+    sequence_shard,
+)
 
 
 def zigzag_positions(seq_len: int, *, size: int, rank: int) -> torch.Tensor:
@@ -122,8 +128,8 @@ class _RingAttention(torch.autograd.Function):
         documents: torch.Tensor | None,
         ring: Ring,
         causal: list[torch.Tensor],
+        scale: float,
     ) -> torch.Tensor:
-        scale = 1.0 / math.sqrt(q.shape[-1])
         out = torch.zeros_like(q)
         lse = torch.full((*q.shape[:-1], 1), float("-inf"), dtype=q.dtype, device=q.device)
         k_j, v_j, d_j = k, v, documents
@@ -166,7 +172,7 @@ class _RingAttention(torch.autograd.Function):
             dk_j = dk_j + (ds.transpose(-2, -1) @ q) * scale
         if ring.size > 1:  # the gradients of the keys and values held one rank back
             dk_j, dv_j = ring.pass_on(dk_j, dv_j)
-        return dq, dk_j, dv_j, None, None, None
+        return dq, dk_j, dv_j, None, None, None, None
 
 
 def _pass_on(ring: Ring, *tensors: torch.Tensor | None) -> list[Any]:
@@ -184,26 +190,33 @@ def ring_attention(
     ring: Ring,
     positions: list[torch.Tensor],
     documents: torch.Tensor | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Causal softmax attention of this rank's queries [B, H, Tq, D] over the keys and
     values of every rank of `ring` (each [B, H, Tk, D], `positions[i]` the global places of
     ring rank i's tokens); packed rows keep each query to its own document (`documents`
-    [B, Tq], this rank's tokens' document ids)."""
+    [B, Tq], this rank's tokens' document ids); `scale`: the scores' (1/sqrt(D) if None)."""
     q_pos = positions[ring.rank]
     causal = [
         positions[(ring.rank - step) % ring.size][None, :] <= q_pos[:, None]
         for step in range(ring.size)
     ]
-    out: torch.Tensor = _RingAttention.apply(q, k, v, documents, ring, causal)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out: torch.Tensor = _RingAttention.apply(q, k, v, documents, ring, causal, scale)
     return out
 
 
 class ContextParallel:
     """This rank's share of each row (`local`) and the shard the model runs under (`shard`)."""
 
-    def __init__(self, group: dist.ProcessGroup, *, seq_len: int) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, *, seq_len: int, positions_in_inputs: bool = False
+    ) -> None:
         self.ring = Ring(group)
         self.seq_len = seq_len
+        self.positions_in_inputs = positions_in_inputs
+        """A Hugging Face model takes its tokens' positions with them (its rotary angles):
+        unpacked rows become [B, 3, T/N] too, positions 0..T-1 and one document."""
         self.positions = [
             zigzag_positions(seq_len, size=self.ring.size, rank=r) for r in range(self.ring.size)
         ]
@@ -214,6 +227,8 @@ class ContextParallel:
         token's document id in its whole row ([B, 3, 2T/2N]), for the ring's masks."""
         mine = self.positions[self.ring.rank]
         x, y = batch
+        if x.ndim == 2 and self.positions_in_inputs:
+            x = torch.stack([x, torch.arange(x.shape[1], device=x.device).expand_as(x)], dim=1)
         if x.ndim == 3:
             x = torch.cat([x, document_ids(x[:, 1])[:, None]], dim=1)
         return x.index_select(-1, mine.to(x.device)), y.index_select(1, mine.to(y.device))
@@ -234,9 +249,15 @@ class ContextParallel:
         positions = [p.to(device) for p in self.positions]
 
         def attend(
-            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            documents: torch.Tensor | None,
+            scale: float | None,
         ) -> torch.Tensor:
-            return ring_attention(q, k, v, ring=self.ring, positions=positions, documents=documents)
+            return ring_attention(
+                q, k, v, ring=self.ring, positions=positions, documents=documents, scale=scale
+            )
 
         with sequence_shard(SequenceShard(positions=positions[self.ring.rank], attend=attend)):
             yield
@@ -255,3 +276,43 @@ def context_parallel_groups(dims: ParallelDims) -> dist.ProcessGroup:
     group, _ = dist.new_subgroups_by_enumeration(groups)
     assert group is not None, "every rank is in one group"
     return group
+
+
+RING_ATTENTION = "trainstack_ring"
+"""The name a Hugging Face model's attention takes under context parallelism."""
+
+
+def use_ring_attention(model: Any) -> None:
+    """Make a Hugging Face model's attention layers call the ring (transformers'
+    `AttentionInterface`, registered once under `RING_ATTENTION`)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(RING_ATTENTION, _hf_ring_attention)
+    model.set_attn_implementation(RING_ATTENTION)
+
+
+def _hf_ring_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention function under context parallelism: the shard's ring
+    (its keys and values repeated to the queries' heads first, as transformers' `repeat_kv`
+    does), with the model's own scaling; the mask transformers built for this rank's
+    tokens alone is not used. Returns [B, T, heads, head_dim], as transformers' do."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    shard = current_shard()
+    if shard is None:  # outside a shard (a probe forward): plain attention
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    repeats = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
+    out = shard.attend(query, key, value, current_documents(), scaling)
+    return out.transpose(1, 2).contiguous(), None

@@ -46,6 +46,7 @@ from trainstack.config import JobConfig
 from trainstack.data.sharding import Batch
 from trainstack.kinds import model_kind_of
 from trainstack.models import repeated_blocks
+from trainstack.models.hf import HFCausalLM
 from trainstack.models.lora import kept_weights
 from trainstack.optim import build_optimizer, build_scheduler, scaled_lr
 from trainstack.strategies.base import (
@@ -59,7 +60,11 @@ from trainstack.strategies.base import (
     weight_dtype,
 )
 from trainstack.strategies.comm_count import CollectiveBytes
-from trainstack.strategies.context_parallel import ContextParallel, context_parallel_groups
+from trainstack.strategies.context_parallel import (
+    ContextParallel,
+    context_parallel_groups,
+    use_ring_attention,
+)
 from trainstack.strategies.dtensor_state import local_part
 from trainstack.strategies.mesh import Meshes, build_meshes, finish_pending_sums, squared_norm
 from trainstack.strategies.named_optimizer_state import (
@@ -106,8 +111,13 @@ class FSDPStrategy:
                 )
             self._tp_local_numel = sum(local_part(p).numel() for p in model.parameters())
             if self.layout.cp > 1:
+                hf = isinstance(model, HFCausalLM)
+                if hf:
+                    use_ring_attention(model.hf)
                 self.context = ContextParallel(
-                    context_parallel_groups(self.layout), seq_len=self.cfg.model.block_size
+                    context_parallel_groups(self.layout),
+                    seq_len=self.cfg.model.block_size,
+                    positions_in_inputs=hf,
                 )
             apply_compile(self.cfg, model)  # torchtitan's order: TP, (AC,) compile, FSDP
             if self._sharded_ranks() > 1:
