@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from trainstack.config.layout import CONTEXT_PARALLEL_FAMILIES
 from trainstack.planner.workload import TransformerShape
 
 if TYPE_CHECKING:
@@ -210,7 +211,8 @@ def candidate_layouts(
         return layouts
     splits = [t for t in DEGREES if n % t == 0 and shape.heads % t == 0 and shape.hidden % t == 0]
     layouts += [Layout(kind="fsdp", devices=n, tensor_parallel=t) for t in splits]
-    if shape.family == "gpt":  # the spec's checks keep the rows it cannot run
+    if shape.family in ("gpt", *CONTEXT_PARALLEL_FAMILIES):  # the spec's checks keep
+        # the rows it cannot run (a pretrained folder's, for one)
         contexts = (c for c in DEGREES if n % c == 0 and shape.seq % (2 * c) == 0)
         layouts += [Layout(kind="fsdp", devices=n, context_parallel=c) for c in contexts]
     for p in (p for p in DEGREES if n % p == 0 and shape.layers % p == 0):
