@@ -200,8 +200,9 @@ class Task:
                 "task.kind=dpo: a sample's chosen and rejected rows hold different numbers "
                 "of answers"
             )
-        chosen, rejected = (policy - reference)[0::2], (policy - reference)[1::2]
-        ratio = torch.stack([chosen[answered], rejected[answered]], dim=1).flatten()
+        ratios = policy - reference
+        chosen, rejected = ratios[0::2][answered], ratios[1::2][answered]
+        ratio = torch.stack([chosen, rejected], dim=1).flatten()
         margins = ratio[0::2] - ratio[1::2]
         beta = self.dpo_beta
         if self.dpo_loss == "ipo":

@@ -213,7 +213,6 @@ class ContextParallel:
         self, group: dist.ProcessGroup, *, seq_len: int, positions_in_inputs: bool = False
     ) -> None:
         self.ring = Ring(group)
-        self.seq_len = seq_len
         self.positions_in_inputs = positions_in_inputs
         """A Hugging Face model takes its tokens' positions with them (its rotary angles):
         unpacked rows become [B, 3, T/N] too, positions 0..T-1 and one document."""

@@ -70,15 +70,12 @@ from trainstack.models.hf import HFCausalLM
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:
     """Shard `model`'s layers over `tp_mesh` in place (its parameters become DTensors)."""
-    with frozen_kept_frozen(model):
-        if isinstance(model, HFCausalLM):
-            _parallelize_hf(model, tp_mesh, loss_parallel=loss_parallel)
-            return
-        assert isinstance(model, GPT), "config.layout admits tensor parallelism for GPT and hf"
-        # The GPT's pipeline layers hold its own modules: sharding them shards the model.
-        apply_tensor_parallel_to_layers(
-            model.pipeline_layers(), tp_mesh, loss_parallel=loss_parallel
-        )
+    if isinstance(model, HFCausalLM):
+        _parallelize_hf(model, tp_mesh, loss_parallel=loss_parallel)
+        return
+    assert isinstance(model, GPT), "config.layout admits tensor parallelism for GPT and hf"
+    # The GPT's pipeline layers hold its own modules: sharding them shards the model.
+    apply_tensor_parallel_to_layers(model.pipeline_layers(), tp_mesh, loss_parallel=loss_parallel)
 
 
 @contextlib.contextmanager
@@ -102,13 +99,6 @@ def apply_tensor_parallel_to_layers(
     shard (a stage passes its shard to the next: each tensor-parallel rank runs its own
     pipeline); the head gathers whole logits unless `loss_parallel`. Parameters the
     layers shared before (the tied embedding and head) stay shared."""
-    with frozen_kept_frozen(nn.ModuleList(layers)):
-        _parallelize_gpt_layers(layers, tp_mesh, loss_parallel=loss_parallel)
-
-
-def _parallelize_gpt_layers(
-    layers: list[nn.Module], tp_mesh: DeviceMesh, *, loss_parallel: bool
-) -> None:
     shared = _shared_parameters(layers)
     ends = gpt_model_plan(loss_parallel=loss_parallel)
     for layer in layers:
@@ -119,7 +109,8 @@ def _parallelize_gpt_layers(
         else:
             assert isinstance(layer, Block), f"no tensor-parallel plan for {type(layer).__name__}"
             plan = gpt_block_plan()
-        parallelize_module(layer, tp_mesh, with_adapters(layer, plan))
+        with frozen_kept_frozen(layer):
+            parallelize_module(layer, tp_mesh, with_adapters(layer, plan))
     for uses in shared:  # each side was distributed apart: tie them again
         first = uses[0][0].get_parameter(uses[0][1])
         for module, name in uses[1:]:
@@ -451,6 +442,11 @@ def _present(layer: nn.Module, plan: dict[str, str]) -> dict[str, str]:
 
 
 def _parallelize_hf(model: HFCausalLM, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:
+    with frozen_kept_frozen(model):
+        _parallelize_hf_layers(model, tp_mesh, loss_parallel=loss_parallel)
+
+
+def _parallelize_hf_layers(model: HFCausalLM, tp_mesh: DeviceMesh, *, loss_parallel: bool) -> None:
     styles = hf_layer_plan(model)
     body = model.body
     parallelize_module(
